@@ -1,0 +1,214 @@
+"""`build_gradient`: a forward model in, a training graph out.
+
+The pipeline, in one place: read -> check -> upgrade opset -> bind shapes -> infer -> gradient -> finalize.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import onnx
+from onnx import helper
+
+from . import loader, registry
+from .builder import Builder, Names
+from .errors import InternalError, UsageError
+from .gradient import differentiate, reaching
+from .ir import Graph, Value, from_model
+
+# Settings a runner should apply for the emitted node order to be the schedule (see README, "Running").
+RUNTIME_HINTS = {
+    "onnxgrad.execution_order": "PRIORITY_BASED",
+    "onnxgrad.disabled_optimizers": "CommonSubexpressionElimination",
+}
+GRAD_SUFFIX = "_grad"
+
+
+@dataclass
+class BuildResult:
+    model: onnx.ModelProto
+    report: dict = field(default_factory=dict)
+
+
+def build_gradient(model: str | os.PathLike | onnx.ModelProto, *, loss: str | None = None,
+                   requires_grad: list[str] | None = None, frozen: list[str] | None = None,
+                   also_grad: list[str] | None = None, input_shapes: dict[str, list[int]] | None = None,
+                   dims: dict[str, int] | None = None) -> onnx.ModelProto:
+    """Return the training graph of `model`: its outputs, then `<param>_grad` per parameter, then
+    `<value>_grad` per `also_grad` value. See `build` for the report as well."""
+    return build(model, loss=loss, requires_grad=requires_grad, frozen=frozen, also_grad=also_grad,
+                 input_shapes=input_shapes, dims=dims).model
+
+
+def build(model, *, loss=None, requires_grad=None, frozen=None, also_grad=None, input_shapes=None,
+          dims=None) -> BuildResult:
+    started = time.perf_counter()
+    registry.all_rules()  # make sure every rule is registered
+    proto = loader.read_model(model)
+    loader.check(proto)
+    source_opset = loader.model_opset(proto)
+    proto = loader.upgrade_opset(proto)
+    loader.bind_shapes(proto, input_shapes or {}, dims or {})
+    proto = loader.infer_shapes(proto)
+    graph = from_model(proto)
+    forward_nodes = len(graph.nodes)
+
+    heads = select_heads(graph, loss)
+    xs = select_parameters(graph, heads, requires_grad, frozen)
+    us = [_find_value(graph, name, "--also-grad") for name in also_grad or []]
+    for u in us:
+        if u.elem_type is not None and not u.is_float:
+            raise UsageError(f"--also-grad {u.name}: has a non-floating-point type, so no gradient")
+
+    names = Names([*graph.values, *(n.name for n in graph.nodes)])
+    out_names = [x.name + GRAD_SUFFIX for x in xs] + [u.name + GRAD_SUFFIX for u in us]
+    for name in out_names:
+        if names.taken(name):
+            raise UsageError(f"cannot name a gradient output {name!r}: the model already has a value of that name")
+        names.reserve(name)
+
+    head_grads = [seed_gradient(graph, h, names) for h in heads]
+    result = differentiate(graph, heads, head_grads, xs + us, names)
+    for x in xs:
+        if result.grads[x.name] is None:
+            raise UsageError(f"{x.name!r} is not reachable from the loss {heads[0].name!r}: it has no gradient")
+
+    finalize_outputs(graph, xs, us, result.grads, names, first_new_node=forward_nodes)
+    for x in xs:
+        if graph.is_initializer(x) and x not in graph.inputs:
+            graph.inputs.append(x)
+    out = graph.to_model()
+    out.ir_version = helper.find_min_ir_version_for(list(out.opset_import), ignore_unknown=True)
+    out.producer_name, out.producer_version = "onnxgrad", _version()
+    _set_metadata(out, RUNTIME_HINTS)
+    try:
+        onnx.checker.check_model(out, full_check=True)
+    except Exception as e:
+        raise InternalError(f"the training graph fails the ONNX checker: {str(e).splitlines()[0]}") from None
+    report = {
+        "loss": heads[0].name,
+        "parameters": [x.name for x in xs],
+        "also_grad": [u.name for u in us],
+        "outputs": [o.name for o in out.graph.output],
+        "source_opset": source_opset,
+        "opset": graph.opset,
+        "ir_version": out.ir_version,
+        "forward_nodes": forward_nodes,
+        "backward_nodes": len(graph.nodes) - forward_nodes,
+        "rules_used": dict(sorted(result.rules_used.items())),
+        "seconds": round(time.perf_counter() - started, 4),
+    }
+    return BuildResult(out, report)
+
+
+def select_heads(graph: Graph, loss: str | list[str] | None) -> list[Value]:
+    """The ys: the loss, or several outputs (each non-scalar one seeded by a `<y>_grad` input)."""
+    if isinstance(loss, (list, tuple)):
+        if not loss:
+            raise UsageError("--loss: no output named")
+        return [select_loss(graph, name) for name in loss]
+    return [select_loss(graph, loss)]
+
+
+def select_loss(graph: Graph, name: str | None) -> Value:
+    if name is not None:
+        for v in graph.outputs:
+            if v.name == name:
+                break
+        else:
+            raise UsageError(f"--loss {name}: no graph output of that name "
+                             f"(outputs: {', '.join(o.name for o in graph.outputs)})")
+    else:
+        scalars = [v for v in graph.outputs if v.shape == () and v.is_float]
+        if len(scalars) != 1:
+            found = "no scalar output" if not scalars else f"{len(scalars)} scalar outputs"
+            raise UsageError(f"cannot choose the loss: {found}; name it with --loss "
+                             f"(candidates: {', '.join(o.name for o in (scalars or graph.outputs))})")
+        v = scalars[0]
+    if not v.is_float:
+        raise UsageError(f"the loss {v.name!r} is not a floating-point tensor")
+    return v
+
+
+def select_parameters(graph: Graph, heads: list[Value], requires_grad, frozen) -> list[Value]:
+    """The xs: requested names, or every floating-point initializer with a differentiable path to the loss."""
+    frozen_set = set(frozen or [])
+    for name in frozen_set:
+        _find_value(graph, name, "--frozen")
+    live = reaching(graph, heads)
+    if requires_grad:
+        xs = []
+        for name in requires_grad:
+            v = _find_value(graph, name, "--requires-grad")
+            if not (graph.is_initializer(v) or v in graph.inputs):
+                raise UsageError(f"--requires-grad {name}: not an initializer or a graph input "
+                                 f"(use --also-grad for intermediate values)")
+            if v.elem_type is not None and not v.is_float:
+                raise UsageError(f"--requires-grad {name}: has an integer type, so no gradient")
+            if id(v) not in live:
+                raise UsageError(f"--requires-grad {name}: not reachable from the loss {heads[0].name!r} "
+                                 f"through differentiable ops")
+            if name not in frozen_set and v not in xs:
+                xs.append(v)
+    else:
+        xs = [graph.values[name] for name in graph.initializers
+              if name not in frozen_set and graph.values[name].is_float and id(graph.values[name]) in live]
+    # parameters in initializer order, then graph inputs in input order
+    order = {name: i for i, name in enumerate(graph.initializers)}
+    order.update({v.name: len(order) + i for i, v in enumerate(graph.inputs) if v.name not in order})
+    return sorted(xs, key=lambda v: order[v.name])
+
+
+def seed_gradient(graph: Graph, head: Value, names: Names) -> Value:
+    """1 for a scalar loss; otherwise a new graph input `<head>_grad` that the caller feeds."""
+    if head.shape == ():
+        return Builder(graph, names, prefix="seed").const(1.0, head.elem_type)
+    name = head.name + GRAD_SUFFIX
+    if names.taken(name):
+        raise UsageError(f"cannot add the input {name!r} for the gradient of {head.name!r}: the name is taken")
+    names.reserve(name)
+    v = Value(name, head.elem_type, head.shape)
+    graph.values[name] = v
+    graph.inputs.append(v)
+    return v
+
+
+def finalize_outputs(graph: Graph, xs, us, grads: dict[str, Value | None], names: Names,
+                     first_new_node: int) -> None:
+    """Name each gradient output; a value claimed twice, or not ours to rename, goes out through Identity."""
+    new_nodes = {id(n) for n in graph.nodes[first_new_node:]}
+    claimed = {id(v) for v in graph.outputs} | {id(v) for v in graph.inputs}
+    op = Builder(graph, names, prefix="grad_out")
+    for v in list(xs) + list(us):
+        g = grads[v.name]
+        if g is None:  # an --also-grad value that the loss does not depend on
+            g = op.ConstantOfShape(op.Shape(v), value=helper.make_tensor("", v.elem_type, [1], [0]))
+        target = v.name + GRAD_SUFFIX
+        if id(g) in claimed or g.producer is None or id(g.producer) not in new_nodes:
+            g = op.Identity(g)
+        graph.rename(g, target)
+        g.elem_type, g.shape = v.elem_type, v.shape
+        claimed.add(id(g))
+        graph.outputs.append(g)
+
+
+def _find_value(graph: Graph, name: str, flag: str) -> Value:
+    v = graph.values.get(name)
+    if v is None:
+        raise UsageError(f"{flag} {name}: no value of that name in the model")
+    return v
+
+
+def _set_metadata(model: onnx.ModelProto, entries: dict[str, str]) -> None:
+    existing = {p.key: p for p in model.metadata_props}
+    for k, v in entries.items():
+        if k in existing:
+            existing[k].value = v
+        else:
+            model.metadata_props.add(key=k, value=v)
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__

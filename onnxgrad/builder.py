@@ -1,0 +1,214 @@
+"""Building new nodes: a per-run name authority, an op builder, and the context a gradient rule sees."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .errors import UnsupportedError
+from .ir import Graph, Node, Value
+
+
+class Names:
+    """Hands out unique names, deterministically: base, base_1, base_2, ..."""
+
+    def __init__(self, taken: Sequence[str] = ()):
+        self._taken = set(taken)
+        self._next: dict[str, int] = {}
+
+    def reserve(self, name: str) -> None:
+        self._taken.add(name)
+
+    def taken(self, name: str) -> bool:
+        return name in self._taken
+
+    def fresh(self, base: str) -> str:
+        if base not in self._taken:
+            self._taken.add(base)
+            return base
+        k = self._next.get(base, 1)
+        while f"{base}_{k}" in self._taken:
+            k += 1
+        self._next[base] = k + 1
+        name = f"{base}_{k}"
+        self._taken.add(name)
+        return name
+
+
+class Builder:
+    """`op.Mul(a, b)` appends a Mul node to the graph and returns its output Value.
+
+    `outputs=n` returns a tuple of n Values; other keywords become attributes.
+    New nodes are named `<prefix>/<OpType>`, made unique by the name authority.
+    """
+
+    def __init__(self, graph: Graph, names: Names, prefix: str = ""):
+        self.graph = graph
+        self.names = names
+        self.prefix = prefix
+        self.emitted: list[Node] = []
+
+    def __getattr__(self, op_type: str):
+        if not op_type[:1].isupper():
+            raise AttributeError(op_type)
+
+        def make(*inputs: Value | None, outputs: int = 1, **attrs):
+            return self.node(op_type, inputs, outputs, **attrs)
+        return make
+
+    def node(self, op_type: str, inputs: Sequence[Value | None], outputs: int = 1, **attrs):
+        base = f"{self.prefix}/{op_type}" if self.prefix else op_type
+        name = self.names.fresh(base)
+        outs = [Value(name if outputs == 1 else self.names.fresh(f"{name}:{i}")) for i in range(outputs)]
+        attributes = [helper.make_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None]
+        node = Node(op_type, inputs, outs, name, attributes)
+        self.graph.add_node(node)
+        self.emitted.append(node)
+        return outs[0] if outputs == 1 else tuple(outs)
+
+    def const(self, value, elem_type: int) -> Value:
+        """A Constant node holding `value` with the given ONNX element type."""
+        array = np.asarray(value, dtype=helper.tensor_dtype_to_np_dtype(elem_type))
+        tensor = numpy_helper.from_array(array, name="")
+        if elem_type == onnx.TensorProto.BFLOAT16:
+            tensor = helper.make_tensor("", elem_type, array.shape, array.astype(np.float32).ravel().tolist())
+        v = self.node("Constant", [], value=tensor)
+        v.elem_type, v.shape = elem_type, tuple(array.shape)
+        return v
+
+    def ints(self, values: Sequence[int]) -> Value:
+        """A 1-D int64 constant: axes, shapes, starts."""
+        return self.const(np.asarray(list(values), dtype=np.int64), onnx.TensorProto.INT64)
+
+
+class GradContext:
+    """What a rule sees: forward inputs I(i), outputs O(i), output gradients GO(i), attributes, needs(i).
+
+    Rules build nodes through `op` and must return one gradient (or None) per forward input.
+    """
+
+    def __init__(self, node: Node, out_grads: list[Value | None], needed: list[bool], op: Builder, opset: int):
+        self.node = node
+        self._out_grads = out_grads
+        self._needed = needed
+        self.op = op
+        self.opset = opset
+
+    # -- the vocabulary ---------------------------------------------------------------------------------
+    def I(self, i: int) -> Value | None:  # noqa: E743 (the customary name)
+        return self.node.input(i)
+
+    def O(self, i: int) -> Value:  # noqa: E743
+        return self.node.outputs[i]
+
+    def GO(self, i: int) -> Value | None:
+        return self._out_grads[i] if i < len(self._out_grads) else None
+
+    def GO_or_zeros(self, i: int) -> Value:
+        """The gradient of output i, materialised as zeros where none flows back."""
+        g = self.GO(i)
+        return g if g is not None else self.zeros_like(self.O(i))
+
+    def needs(self, i: int) -> bool:
+        return i < len(self._needed) and self._needed[i]
+
+    def attr(self, name: str, default=None):
+        return self.node.attr(name, default)
+
+    @property
+    def num_inputs(self) -> int:
+        return len(self.node.inputs)
+
+    def unsupported(self, what: str) -> UnsupportedError:
+        return UnsupportedError(f"no gradient for {self.node.op_type} node {self.node.name!r}: {what}")
+
+    # -- helpers built on the vocabulary ----------------------------------------------------------------
+    def rank(self, v: Value) -> int:
+        if v.rank is None:
+            raise self.unsupported(f"the rank of {v.name!r} is unknown (bind it with --input-shape or --dim)")
+        return v.rank
+
+    def const_like(self, value, like: Value) -> Value:
+        """A constant with the element type of a forward value."""
+        return self.op.const(value, self.elem_type(like))
+
+    def elem_type(self, v: Value) -> int:
+        if not v.elem_type:
+            raise self.unsupported(f"the element type of {v.name!r} is unknown")
+        return v.elem_type
+
+    def shape_of(self, v: Value) -> Value:
+        """The shape of a forward value as an int64 tensor: a constant when static, else a Shape node."""
+        static = v.static_shape
+        return self.op.ints(static) if static is not None else self.op.Shape(v)
+
+    def zeros_like(self, v: Value) -> Value:
+        zero = helper.make_tensor("", self.elem_type(v), [1], [0])
+        return self.op.ConstantOfShape(self.shape_of(v), value=zero)
+
+    def reshape_like(self, g: Value, like: Value) -> Value:
+        return self.op.Reshape(g, self.shape_of(like))
+
+    def normalize_axis(self, axis: int, rank: int) -> int:
+        if not -rank <= axis < max(rank, 1):
+            raise self.unsupported(f"axis {axis} out of range for rank {rank}")
+        return axis + rank if axis < 0 else axis
+
+    def const_input(self, i: int) -> np.ndarray | None:
+        """The value of input i when it is an initializer or a Constant node's output, else None."""
+        v = self.I(i)
+        if v is None:
+            return None
+        graph = self.op.graph
+        if v.name in graph.initializers:
+            return numpy_helper.to_array(graph.initializers[v.name])
+        p = v.producer
+        if p is not None and p.op_type == "Constant":
+            for a in p.attributes:
+                if a.name == "value":
+                    return numpy_helper.to_array(a.t)
+                if a.name in ("value_int", "value_ints"):
+                    return np.asarray(helper.get_attribute_value(a), dtype=np.int64)
+                if a.name in ("value_float", "value_floats"):
+                    return np.asarray(helper.get_attribute_value(a), dtype=np.float32)
+        return None
+
+    def unbroadcast(self, g: Value, like: Value) -> Value:
+        """Sum `g` (shaped like the broadcast result) down to the shape of `like`."""
+        return unbroadcast(self, g, like, self.node.outputs[0])
+
+
+def unbroadcast(ctx: GradContext, g: Value, like: Value, result: Value) -> Value:
+    """Reduce a gradient of a broadcast result to an operand's shape.
+
+    Leading axes the operand lacks are summed away statically. Among the aligned axes, an axis is summed when
+    the operand has size 1 and the result does not: decided statically where both sizes are known, else at run
+    time by summing over every axis where Shape(operand) == 1 (summing a size-1 axis of the result changes
+    nothing, so over-including such axes is harmless).
+    """
+    op = ctx.op
+    r_like, r_out = ctx.rank(like), ctx.rank(result)
+    lead = r_out - r_like
+    if lead < 0:
+        raise ctx.unsupported(f"{like.name!r} has a higher rank than the broadcast result")
+    if lead:
+        g = op.ReduceSum(g, op.ints(range(lead)), keepdims=0)
+    axes, dynamic = [], False
+    for i, (dl, do) in enumerate(zip(like.shape, result.shape[lead:])):
+        if dl == 1:
+            if do != 1:
+                axes.append(i)
+        elif isinstance(dl, int) or (dl is not None and dl == do):
+            continue
+        else:
+            dynamic = True
+    if dynamic:
+        mask = op.Equal(op.Shape(like), op.ints([1]))
+        dyn_axes = op.Reshape(op.NonZero(mask), op.ints([-1]))
+        g = op.ReduceSum(g, dyn_axes, keepdims=1, noop_with_empty_axes=1)
+        return g
+    if axes:
+        g = op.ReduceSum(g, op.ints(axes), keepdims=1)
+    return g

@@ -1,0 +1,139 @@
+"""The gradient pass: reverse-mode differentiation as a graph rewrite.
+
+The walker knows no op names. It finds the values on a differentiable path from the wrt values (xs and the
+extra values us) to the heads (ys), visits their producers in reverse topological order, sums the gradient
+contributions of each output with one Sum node, and asks the op's registered rule for the input gradients.
+Backward nodes are appended in the order they are built, so the file order is the reverse of the forward
+order: a schedule that frees each activation soon after its last backward use.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from . import registry
+from .builder import Builder, GradContext, Names
+from .errors import InternalError, UnsupportedError
+from .ir import Graph, Node, Value
+
+
+@dataclass
+class GradientResult:
+    grads: dict[str, Value | None]     # wrt value name -> its gradient, None where none reaches it
+    nodes_added: int
+    rules_used: dict[str, int] = field(default_factory=dict)
+
+
+def differentiable_edge(node: Node, i: int, opset: int) -> bool:
+    """Can a gradient flow from node's outputs back into input i?"""
+    if registry.is_non_differentiable(node.op_type, node.domain):
+        return False
+    v = node.input(i)
+    if v is None or (v.elem_type is not None and not v.is_float):
+        return False
+    r = registry.lookup(node.op_type, opset, node.domain)
+    return r is None or r.differentiates(i)  # no rule: keep the edge so the error can name the op
+
+
+def _float_out(v: Value) -> bool:
+    return v.elem_type is None or v.is_float
+
+
+def reachable_from(graph: Graph, sources: list[Value]) -> set[int]:
+    """ids of the values that depend on a source through differentiable edges."""
+    active = {id(v) for v in sources}
+    for node in graph.nodes:
+        if any(v is not None and id(v) in active and differentiable_edge(node, i, graph.opset)
+               for i, v in enumerate(node.inputs)):
+            active.update(id(o) for o in node.outputs if _float_out(o))
+    return active
+
+
+def reaching(graph: Graph, heads: list[Value]) -> set[int]:
+    """ids of the values that some head depends on through differentiable edges."""
+    live = {id(v) for v in heads}
+    for node in reversed(graph.nodes):
+        if any(id(o) in live for o in node.outputs if _float_out(o)):
+            live.update(id(v) for i, v in enumerate(node.inputs)
+                        if v is not None and differentiable_edge(node, i, graph.opset))
+    return live
+
+
+def _path_from(heads: list[Value], target: Node, on_path: set[int]) -> str:
+    """'loss <- Softmax(sm) <- Foo(n2)': how the gradient reaches a node, for error messages."""
+    parent: dict[int, tuple[Node, Node | None]] = {}
+    queue = deque()
+    for h in heads:
+        if h.producer is not None and id(h.producer) not in parent:
+            parent[id(h.producer)] = (h.producer, None)
+            queue.append(h.producer)
+    while queue:
+        n = queue.popleft()
+        if n is target:
+            break
+        for v in n.inputs:
+            if v is not None and id(v) in on_path and v.producer is not None and id(v.producer) not in parent:
+                parent[id(v.producer)] = (v.producer, n)
+                queue.append(v.producer)
+    steps, cur = [], target
+    while cur is not None and id(cur) in parent:
+        steps.append(f"{cur.op_type}({cur.name})")
+        cur = parent[id(cur)][1]
+    return " <- ".join([heads[0].name] + steps[::-1])
+
+
+def differentiate(graph: Graph, heads: list[Value], head_grads: list[Value], wrt: list[Value],
+                  names: Names) -> GradientResult:
+    """Append the backward graph of `heads` (seeded with `head_grads`) with respect to `wrt`."""
+    opset = graph.opset
+    on_path = reachable_from(graph, wrt) & reaching(graph, heads)
+    contributions: dict[int, list[Value]] = {}
+    for h, hg in zip(heads, head_grads):
+        contributions.setdefault(id(h), []).append(hg)
+
+    def total(v: Value, op: Builder) -> Value | None:
+        parts = contributions.get(id(v))
+        if not parts:
+            return None
+        if len(parts) > 1:
+            parts[:] = [op.Sum(*parts)]
+        return parts[0]
+
+    added = 0
+    used: dict[str, int] = {}
+    for node in reversed(graph.nodes[:]):
+        if not any(id(o) in on_path for o in node.outputs):
+            continue
+        needed = [v is not None and id(v) in on_path and differentiable_edge(node, i, opset)
+                  for i, v in enumerate(node.inputs)]
+        if not any(needed):
+            continue
+        op = Builder(graph, names, prefix=f"{node.name or node.op_type}_grad")
+        out_grads = [total(o, op) for o in node.outputs]
+        if all(g is None for g in out_grads):
+            continue
+        rule = registry.lookup(node.op_type, opset, node.domain)
+        if rule is None:
+            where = _path_from(heads, node, on_path)
+            domain = f"{node.domain}." if node.domain else ""
+            raise UnsupportedError(f"no gradient rule for {domain}{node.op_type} (opset {opset}) at node "
+                                   f"{node.name!r}, reached by {where}")
+        ctx = GradContext(node, out_grads, needed, op, opset)
+        in_grads = rule.fn(ctx)
+        if in_grads is None or len(in_grads) > len(node.inputs):
+            raise InternalError(f"the {node.op_type} rule returned {in_grads!r} for {len(node.inputs)} inputs")
+        for i, (v, g) in enumerate(zip(node.inputs, in_grads)):
+            if needed[i] and g is None:
+                raise InternalError(f"the {node.op_type} rule gave no gradient for needed input {i} "
+                                    f"of node {node.name!r}")
+            if needed[i]:
+                contributions.setdefault(id(v), []).append(g)
+        added += len(op.emitted)
+        used[node.op_type] = used.get(node.op_type, 0) + 1
+
+    grads = {}
+    final = Builder(graph, names, prefix="grad_sum")
+    for v in wrt:
+        grads[v.name] = total(v, final)  # None: no gradient reaches v
+    added += len(final.emitted)
+    return GradientResult(grads, added, used)
