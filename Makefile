@@ -1,0 +1,45 @@
+# `make demo` sets up and runs the main job on a shipped model; `make test` runs the tests.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# A CPU build of PyTorch for the whole-model tests (on the project's machines this version is on local disk).
+TORCH  ?= torch==2.13.0
+OUT    ?= out
+
+.PHONY: setup setup-test demo test bench ops-table models clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.runtime: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.test: pyproject.toml $(VENV)/.runtime
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.runtime
+setup-test: $(VENV)/.test
+
+demo: setup
+	@mkdir -p $(OUT)
+	$(BIN)/onnxgrad build-grad models/mlp.onnx -o $(OUT)/mlp_train.onnx --dim N=32 --force
+	$(BIN)/onnxgrad run $(OUT)/mlp_train.onnx --steps 3 --lr 0.1
+
+test: setup-test
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/bench_build.py
+
+models: setup
+	$(BIN)/python models/make_models.py models
+
+ops-table: setup
+	$(BIN)/python -m onnxgrad.ops_table --update-readme README.md
+
+clean:
+	rm -rf $(OUT) .pytest_cache
