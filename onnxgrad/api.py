@@ -42,7 +42,9 @@ def build_gradient(model: str | os.PathLike | onnx.ModelProto, *, loss: str | No
 
 
 def build(model, *, loss=None, requires_grad=None, frozen=None, also_grad=None, input_shapes=None,
-          dims=None) -> BuildResult:
+          dims=None, feed_head_grads: bool = False) -> BuildResult:
+    """Like `build_gradient`, with a report. `feed_head_grads` gives scalar losses a `<loss>_grad` input
+    too (instead of the constant 1), e.g. to scale the loss or to compute vector-Jacobian products."""
     started = time.perf_counter()
     registry.all_rules()  # make sure every rule is registered
     proto = loader.read_model(model)
@@ -68,7 +70,7 @@ def build(model, *, loss=None, requires_grad=None, frozen=None, also_grad=None, 
             raise UsageError(f"cannot name a gradient output {name!r}: the model already has a value of that name")
         names.reserve(name)
 
-    head_grads = [seed_gradient(graph, h, names) for h in heads]
+    head_grads = [seed_gradient(graph, h, names, feed_head_grads) for h in heads]
     result = differentiate(graph, heads, head_grads, xs + us, names)
     for x in xs:
         if result.grads[x.name] is None:
@@ -160,9 +162,9 @@ def select_parameters(graph: Graph, heads: list[Value], requires_grad, frozen) -
     return sorted(xs, key=lambda v: order[v.name])
 
 
-def seed_gradient(graph: Graph, head: Value, names: Names) -> Value:
-    """1 for a scalar loss; otherwise a new graph input `<head>_grad` that the caller feeds."""
-    if head.shape == ():
+def seed_gradient(graph: Graph, head: Value, names: Names, feed: bool = False) -> Value:
+    """1 for a scalar loss; otherwise (or when asked) a new graph input `<head>_grad` that the caller feeds."""
+    if head.shape == () and not feed:
         return Builder(graph, names, prefix="seed").const(1.0, head.elem_type)
     name = head.name + GRAD_SUFFIX
     if names.taken(name):

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import lru_cache
+
+import onnx.defs
 
 from . import registry
 from .builder import Builder, GradContext, Names
@@ -31,8 +34,24 @@ def differentiable_edge(node: Node, i: int, opset: int) -> bool:
     v = node.input(i)
     if v is None or (v.elem_type is not None and not v.is_float):
         return False
+    if schema_says_non_differentiable(node.op_type, node.domain, opset, i):
+        return False
     r = registry.lookup(node.op_type, opset, node.domain)
     return r is None or r.differentiates(i)  # no rule: keep the edge so the error can name the op
+
+
+@lru_cache(maxsize=None)
+def schema_says_non_differentiable(op_type: str, domain: str, opset: int, i: int) -> bool:
+    """Inputs the ONNX schema marks non-differentiable (indices, shapes, conditions) get no gradient."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, domain)
+    except Exception:  # an op the installed onnx does not know: nothing to learn from it
+        return False
+    params = schema.inputs
+    if not params:
+        return False
+    p = params[min(i, len(params) - 1)]  # a variadic last parameter covers the remaining inputs
+    return p.differentiation_category == onnx.defs.OpSchema.DifferentiationCategory.NonDifferentiable
 
 
 def _float_out(v: Value) -> bool:

@@ -201,3 +201,33 @@ def test_too_new_opset_is_refused():
     m = scalar_model([h.make_node("Mul", ["x", "w"], ["loss"])], inits={"w": 2.0}, opset=24)
     with pytest.raises(onnxgrad.InvalidModelError, match="opset 24 is newer than the newest supported opset 23"):
         onnxgrad.build_gradient(m)
+
+
+def test_run_time_unbroadcast_when_dims_are_symbolic():
+    # Neither operand's dims are known, so which axis broadcasts is decided at run time.
+    g = h.make_graph([h.make_node("Mul", ["a", "b"], ["y"])], "m",
+                     [h.make_tensor_value_info("a", T.FLOAT, ["A", 3]), h.make_tensor_value_info("b", T.FLOAT, ["B", 3])],
+                     [h.make_tensor_value_info("y", T.FLOAT, [None, 3])])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 18)])
+    train = onnxgrad.build_gradient(m, loss="y", requires_grad=["a", "b"])
+    assert any(n.op_type == "NonZero" for n in train.graph.node)
+    rng = np.random.default_rng(0)
+    for na, nb in [(1, 4), (4, 1), (4, 4), (1, 1)]:
+        a = rng.standard_normal((na, 3)).astype(np.float32)
+        b = rng.standard_normal((nb, 3)).astype(np.float32)
+        gy = rng.standard_normal((max(na, nb), 3)).astype(np.float32)
+        out = run(train, {"a": a, "b": b, "y_grad": gy})
+        np.testing.assert_allclose(out["a_grad"], (gy * b).sum(axis=0, keepdims=True) if na == 1 < nb else gy * b,
+                                   rtol=1e-5)
+        np.testing.assert_allclose(out["b_grad"], (gy * a).sum(axis=0, keepdims=True) if nb == 1 < na else gy * a,
+                                   rtol=1e-5)
+
+
+def test_model_with_external_data(tmp_path):
+    m = affine()
+    onnx.save(m, tmp_path / "m.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+              location="m.data", size_threshold=0)
+    assert (tmp_path / "m.data").exists()
+    train = onnxgrad.build_gradient(str(tmp_path / "m.onnx"))
+    out = run(train, {"x": np.array(3.0, np.float32)})
+    assert out["w_grad"] == pytest.approx(2 * 6.5 * 3)
