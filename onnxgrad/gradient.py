@@ -139,7 +139,8 @@ def differentiate(graph: Graph, heads: list[Value], head_grads: list[Value], wrt
                                    f"{node.name!r}, reached by {where}")
         ctx = GradContext(node, out_grads, needed, op, opset)
         in_grads = rule.fn(ctx)
-        if in_grads is None or len(in_grads) > len(node.inputs):
+        # a rule may list gradients for absent trailing optional inputs, as long as they are None
+        if in_grads is None or any(g is not None for g in in_grads[len(node.inputs):]):
             raise InternalError(f"the {node.op_type} rule returned {in_grads!r} for {len(node.inputs)} inputs")
         for i, (v, g) in enumerate(zip(node.inputs, in_grads)):
             if needed[i] and g is None:

@@ -140,6 +140,8 @@ def check_case(case: Case, seed: int = 0, full_jacobian_max: int = 48) -> None:
         t = {n: rng.standard_normal(x[n].shape) for n in wrt}
         c = [rng.standard_normal(s) for s in out_shapes]
         g = vjp(c)
+        for n in wrt:
+            assert g[n].shape == x[n].shape, f"{case}: gradient of {n} has shape {g[n].shape}, not {x[n].shape}"
         lhs = sum(float(np.sum(t[n] * g[n].astype(np.float64))) for n in wrt)
         rhs = sum(float(np.sum(jt.astype(np.float64) * ci)) for jt, ci in zip(jvp(t), c))
         scale = sum(float(np.sum(np.abs(t[n] * g[n]))) for n in wrt) + 1e-12

@@ -66,7 +66,7 @@ def pow_(ctx):
         elif exponent is not None and exponent.size == 1 and float(exponent) == 1.0:
             ga = gy
         else:
-            b_as_a = b if b.elem_type == a.elem_type else op.CastLike(b, a)
+            b_as_a = b if b.elem_type == a.elem_type else op.Cast(b, to=ctx.elem_type(a))
             # a ** (b - 1) reads forward values only; it is the one node here that can run early.
             power = op.Pow(a, op.Sub(b_as_a, ctx.const_like(1.0, a)))
             ga = op.Mul(op.Mul(gy, b_as_a), power)
@@ -128,7 +128,7 @@ def _select_extreme(ctx):
     inputs = ctx.node.inputs
     if len(inputs) == 1:
         return [gy]
-    masks = [op.CastLike(op.Equal(x, y), y) for x in inputs]  # masks: forward-only, one element per element
+    masks = [op.Cast(op.Equal(x, y), to=ctx.elem_type(y)) for x in inputs]  # forward-only masks
     share = op.Div(gy, op.Sum(*masks))
     return [ctx.unbroadcast(op.Mul(share, m), x) if ctx.needs(i) else None
             for i, (x, m) in enumerate(zip(inputs, masks))]

@@ -43,3 +43,9 @@ CASES = [
     Case("Cast", [(2, 3)], attrs={"to": 11}, id="Cast-to-double"),
     Case("CastLike", [(2, 3), np.zeros((), np.float64)], id="CastLike"),
 ]
+
+CASES += [
+    Case("Max", [(2, 3), (3,)], sampler=distinct, id="Max-opset13", opset=13),
+    Case("Min", [(2, 3), (3,)], sampler=distinct, id="Min-opset13", opset=13),
+    Case("Pow", [(2, 3), (3,)], sampler=positive, id="Pow-opset13", opset=13),
+]
