@@ -149,7 +149,8 @@ class GradContext:
         return self.op.ConstantOfShape(self.shape_of(v), value=zero)
 
     def reshape_like(self, g: Value, like: Value) -> Value:
-        return self.op.Reshape(g, self.shape_of(like))
+        # allowzero: a 0 in a real shape is a zero-size dim, not "copy this dim"
+        return self.op.Reshape(g, self.shape_of(like), allowzero=1 if self.opset >= 14 else None)
 
     def normalize_axis(self, axis: int, rank: int) -> int:
         if not -rank <= axis < max(rank, 1):
