@@ -103,8 +103,9 @@ def log(ctx):
 
 @rule("Abs", since=13)
 def abs_(ctx):
-    """dx = dy * sign(x)"""
-    return [ctx.op.Mul(ctx.GO(0), ctx.op.Sign(ctx.I(0)))]
+    """dx = where(x < 0, -dy, dy)"""
+    gy, x = ctx.GO(0), ctx.I(0)
+    return [ctx.op.Where(ctx.op.Less(x, ctx.const_like(0.0, x)), ctx.op.Neg(gy), gy)]
 
 
 @rule("Sum", since=13)
