@@ -83,7 +83,7 @@ def build(model, *, loss=None, requires_grad=None, frozen=None, also_grad=None, 
     out = graph.to_model()
     out.ir_version = helper.find_min_ir_version_for(list(out.opset_import), ignore_unknown=True)
     out.producer_name, out.producer_version = "onnxgrad", _version()
-    _set_metadata(out, RUNTIME_HINTS)
+    _set_metadata(out, {**RUNTIME_HINTS, "onnxgrad.loss": ",".join(h.name for h in heads)})
     try:
         onnx.checker.check_model(out, full_check=True)
     except Exception as e:

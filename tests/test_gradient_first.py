@@ -24,7 +24,8 @@ INTRINSIC = {
     "Gather": {"Cast"},                        # one-hot matrix at opsets 13-15
     "Gelu": {"Add", "Erf", "Exp", "Mul", "Tanh"},
     "GlobalMaxPool": {"Cast"},                 # the mask of maxima
-    "InstanceNormalization": {"Mul", "Sub"},   # the normalised input
+    "GroupNormalization": {"Mul", "Reshape", "Sub"},  # the normalised input
+    "InstanceNormalization": {"Mul", "Sub"},
     "LayerNormalization": {"Mul", "Sub"},
     "LogSoftmax": {"Exp"},                     # softmax = exp(log_softmax)
     "MatMul": {"Flatten", "Transpose"},        # operand layouts; onnxruntime folds them into FusedMatMul

@@ -1,4 +1,250 @@
-"""Gradient rules: conv ops."""
+"""Gradient rules: convolution and pooling.
+
+Conv's input gradient is a ConvTranspose of dy with the same weights; its weight gradient is a Conv in which x
+and dy trade roles (batch and channel axes exchanged, stride and dilation exchanged). Pool gradients send dy back
+to the window elements: MaxPool through its argmax indices, AveragePool through a ones-kernel ConvTranspose.
+Both need the spatial sizes at build time, to choose the pads and output_padding that make the transposed
+placement land exactly on x, and to count the elements of each averaging window.
+
+Forward-only nodes here: the transposed copy of x for Conv's weight gradient (the contraction runs over the
+batch, which a Conv can only do over its channel axis), MaxPool's recomputed indices (int64, one per output
+element) and the zeros they are scattered into, and the masks and counts of GlobalMaxPool.
+"""
 from __future__ import annotations
 
+import math
+
+import numpy as np
+from onnx import helper
+
 from ..registry import rule
+
+
+def _text(ctx, name: str, default: str) -> str:
+    value = ctx.attr(name, default)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _spatial(ctx, v, what: str) -> list[int]:
+    """The static spatial sizes of an (N, C, D1, ..., Dn) value."""
+    shape = v.shape
+    if shape is None or len(shape) < 3 or not all(isinstance(d, int) for d in shape[2:]):
+        dims = "unknown" if shape is None else "x".join(str(d) for d in shape)
+        raise ctx.unsupported(f"the spatial dims of {what} {v.name!r} must be static (shape {dims}): bind them "
+                              f"with --input-shape or --dim")
+    return list(shape[2:])
+
+
+def _window(ctx, sizes: list[int], kernel: list[int]):
+    """strides, dilations and (begin, end) pads per spatial axis, auto_pad resolved as onnxruntime does."""
+    n = len(sizes)
+    strides = list(ctx.attr("strides", [1] * n))
+    dilations = list(ctx.attr("dilations", [1] * n))
+    auto_pad = _text(ctx, "auto_pad", "NOTSET")
+    if auto_pad == "NOTSET":
+        pads = list(ctx.attr("pads", [0] * (2 * n)))
+        return strides, dilations, pads[:n], pads[n:]
+    if auto_pad == "VALID":
+        return strides, dilations, [0] * n, [0] * n
+    if auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
+        raise ctx.unsupported(f"auto_pad={auto_pad}")
+    begin, end = [], []
+    for size, k, s, d in zip(sizes, kernel, strides, dilations):
+        total = max(0, (math.ceil(size / s) - 1) * s + (k - 1) * d + 1 - size)
+        small, large = total // 2, total - total // 2
+        begin.append(small if auto_pad == "SAME_UPPER" else large)
+        end.append(large if auto_pad == "SAME_UPPER" else small)
+    return strides, dilations, begin, end
+
+
+def _transposed_placement(sizes, out, kernel, strides, dilations, begin):
+    """ConvTranspose pads and output_padding that map an `out` grid back onto exactly `sizes` positions.
+
+    The uncropped transposed result covers s*(out-1) + (k-1)*d + 1 positions starting at -begin; whatever runs
+    past the end of x is cropped by the end pad, a shortfall (x positions no window reaches) is output_padding.
+    """
+    end, extra = [], []
+    for size, o, k, s, d, b in zip(sizes, out, kernel, strides, dilations, begin):
+        overhang = s * (o - 1) + (k - 1) * d + 1 - b - size
+        end.append(max(overhang, 0))
+        extra.append(max(-overhang, 0))
+    return list(begin) + end, (extra if any(extra) else None)
+
+
+@rule("Conv", since=13, limits="spatial dims of X and W must be static")
+def conv(ctx):
+    """dx = ConvTranspose(dy, w), dw = Conv(x^T, dy^T) (stride and dilation swapped), db = sum(dy) but axis 1"""
+    x, w, gy, op = ctx.I(0), ctx.I(1), ctx.GO(0), ctx.op
+    sizes, kernel, out = _spatial(ctx, x, "X"), _spatial(ctx, w, "W"), _spatial(ctx, ctx.O(0), "Y")
+    group = ctx.attr("group", 1)
+    strides, dilations, begin, end = _window(ctx, sizes, kernel)
+    for size, o, k, s, d, b, e in zip(sizes, out, kernel, strides, dilations, begin, end):
+        if (size + b + e - (k - 1) * d - 1) // s + 1 != o:
+            raise ctx.unsupported(f"output size {o} does not follow from input {size}, kernel {k}, stride {s}, "
+                                  f"dilation {d}, pads ({b}, {e})")
+    gx = gw = gb = None
+    if ctx.needs(0):
+        pads, extra = _transposed_placement(sizes, out, kernel, strides, dilations, begin)
+        gx = op.ConvTranspose(gy, w, strides=strides, dilations=dilations, pads=pads, output_padding=extra,
+                              group=group, kernel_shape=kernel)
+    if ctx.needs(1):
+        gw = _conv_weight_grad(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations, begin, end)
+    if ctx.needs(2):
+        gb = op.ReduceSum(gy, op.ints([0, *range(2, len(sizes) + 2)]), keepdims=0)
+    return [gx, gw, gb][:ctx.num_inputs]
+
+
+def _conv_weight_grad(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations, begin, end):
+    """dw[m, c, k] = sum over n, o of dy[n, m, o] * x[n, c, o*s + k*d - begin], as one Conv.
+
+    x becomes the input with batch and channels exchanged, dy the weights likewise; the sum over the batch is
+    then the Conv's sum over input channels. Sliding over x with step d and reading dy with dilation s walks
+    the kernel offsets k. With groups, channels are ordered (group, n) so each group's x channels meet only
+    that group's dy channels.
+    """
+    op = ctx.op
+    n = len(sizes)
+    spatial = list(range(3, n + 3))
+    if group == 1:
+        gyt = op.Transpose(gy, perm=[1, 0, *range(2, n + 2)])
+        xt = op.Transpose(x, perm=[1, 0, *range(2, n + 2)])
+    else:
+        m, c_per_group = w.shape[0], w.shape[1]
+        if not isinstance(m, int) or not isinstance(c_per_group, int):
+            raise ctx.unsupported(f"grouped Conv needs the channel dims of W {w.name!r} static")
+        gyt = op.Reshape(gy, op.ints([0, group, m // group, *out]))
+        gyt = op.Reshape(op.Transpose(gyt, perm=[1, 2, 0, *spatial]), op.ints([m, -1, *out]))
+        xt = op.Reshape(x, op.ints([0, group, c_per_group, *sizes]))
+        xt = op.Reshape(op.Transpose(xt, perm=[2, 1, 0, *spatial]), op.ints([c_per_group, -1, *sizes]))
+    # The swapped Conv reaches kernel offsets up to the last one x still covers; trim its end pad so it stops at
+    # the kernel's size, and slice where the pad is too small to trim.
+    end_pads, reach = [], []
+    for size, o, k, s, d, b, e in zip(sizes, out, kernel, strides, dilations, begin, end):
+        surplus = (size + b + e - (o - 1) * s - 1) // d + 1 - k
+        trim = min(surplus, e // d)
+        end_pads.append(e - trim * d)
+        reach.append(k + surplus - trim)
+    gw = op.Conv(xt, gyt, strides=dilations, dilations=strides, pads=list(begin) + end_pads, group=group)
+    gw = op.Transpose(gw, perm=[1, 0, *range(2, n + 2)])
+    if reach != kernel:
+        gw = op.Slice(gw, op.ints([0] * n), op.ints(kernel), op.ints(range(2, n + 2)))
+    return gw
+
+
+def _pool_attrs(ctx) -> dict:
+    names = ("auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads", "strides")
+    attrs = {name: ctx.attr(name) for name in names}
+    if attrs["auto_pad"] is not None:
+        attrs["auto_pad"] = _text(ctx, "auto_pad", "NOTSET")
+    return attrs
+
+
+def _flat_size(ctx, x):
+    static = x.static_shape
+    if static is not None:
+        return ctx.op.ints([int(np.prod(static))])
+    return ctx.op.Reshape(ctx.op.Size(x), ctx.op.ints([1]))
+
+
+@rule("MaxPool", since=13, wrt=(0,))
+def max_pool(ctx):
+    """dx = dy added at the argmax of each window (indices recomputed unless the forward has them)"""
+    x, gy, op = ctx.I(0), ctx.GO(0), ctx.op
+    has_indices = len(ctx.node.outputs) > 1 and ctx.O(1).name
+    if has_indices and ctx.attr("storage_order", 0) == 0:
+        indices = ctx.O(1)
+    else:
+        _, indices = op.MaxPool(x, outputs=2, storage_order=0, **_pool_attrs(ctx))
+    # MaxPool's indices are flat positions in x (batch and channel included, padding excluded).
+    zeros = op.ConstantOfShape(_flat_size(ctx, x), value=helper.make_tensor("", ctx.elem_type(x), [1], [0]))
+    if ctx.opset >= 16:
+        flat = op.ScatterElements(zeros, op.Reshape(indices, op.ints([-1])), op.Reshape(gy, op.ints([-1])),
+                                  axis=0, reduction="add")
+        return [ctx.reshape_like(flat, x)]
+    # Before opset 16 ScatterElements cannot add; windows whose outputs lie q = ceil(extent / stride) apart
+    # never overlap, so each of the q**n phases is a plain scatter of distinct indices, and the phases are summed.
+    rank = ctx.rank(x)
+    n = rank - 2
+    kernel = ctx.attr("kernel_shape")
+    strides = ctx.attr("strides", [1] * n)
+    dilations = ctx.attr("dilations", [1] * n)
+    steps = [max(1, math.ceil(((k - 1) * d + 1) / s)) for k, s, d in zip(kernel, strides, dilations)]
+    parts = []
+    for phase in np.ndindex(*steps):
+        g_phase, i_phase = gy, indices
+        if any(steps[a] > 1 for a in range(n)):
+            axes = [a + 2 for a in range(n) if steps[a] > 1]
+            starts = op.ints([phase[a - 2] for a in axes])
+            ends = op.ints([2**62] * len(axes))
+            step = op.ints([steps[a - 2] for a in axes])
+            g_phase = op.Slice(gy, starts, ends, op.ints(axes), step)
+            i_phase = op.Slice(indices, starts, ends, op.ints(axes), step)
+        parts.append(op.ScatterElements(zeros, op.Reshape(i_phase, op.ints([-1])),
+                                        op.Reshape(g_phase, op.ints([-1])), axis=0))
+    flat = parts[0] if len(parts) == 1 else op.Sum(*parts)
+    return [ctx.reshape_like(flat, x)]
+
+
+def _window_counts(size, out, k, s, d, b, e, include_pad) -> np.ndarray:
+    """Per output position along one axis: how many window elements the average divides by."""
+    counts = np.zeros(out)
+    for o in range(out):
+        taps = o * s - b + d * np.arange(k)
+        lo, hi = (-b, size + e) if include_pad else (0, size)
+        counts[o] = np.count_nonzero((taps >= lo) & (taps < hi))
+    return counts
+
+
+@rule("AveragePool", since=13, limits="spatial dims of X must be static")
+def average_pool(ctx):
+    """dx = ConvTranspose(dy / count, ones): each output's gradient spread evenly over its window"""
+    x, gy, op = ctx.I(0), ctx.GO(0), ctx.op
+    sizes, out = _spatial(ctx, x, "X"), _spatial(ctx, ctx.O(0), "Y")
+    kernel = list(ctx.attr("kernel_shape"))
+    strides, dilations, begin, end = _window(ctx, sizes, kernel)
+    include_pad = ctx.attr("count_include_pad", 0) == 1
+    for size, o, s, b in zip(sizes, out, strides, begin):
+        if ctx.attr("ceil_mode", 0) and (o - 1) * s - b >= size:
+            raise ctx.unsupported(f"with ceil_mode the last window starts past the end of X ({size} elements): "
+                                  f"onnxruntime drops that window, onnx shape inference keeps it, so the size of "
+                                  f"Y is not known")
+    # The divisor of each output: elements inside x (or inside the padded x), a product over the axes.
+    inverse = np.ones([1, 1])
+    for size, o, k, s, d, b, e in zip(sizes, out, kernel, strides, dilations, begin, end):
+        counts = _window_counts(size, o, k, s, d, b, e, include_pad)
+        # A window lying wholly in the padding reads no element of x: its output is constant, its weight 0.
+        inverse = np.multiply.outer(inverse, np.divide(1.0, counts, out=np.zeros(o), where=counts > 0))
+    if np.all(inverse == inverse.flat[0]):
+        scaled = op.Mul(gy, ctx.const_like(float(inverse.flat[0]), x))
+    else:
+        scaled = op.Mul(gy, ctx.const_like(inverse, x))
+    # Batch and channels fold into one axis, so a single-channel ones kernel serves any channel count.
+    pads, extra = _transposed_placement(sizes, out, kernel, strides, dilations, begin)
+    ones = ctx.const_like(np.ones([1, 1, *kernel]), x)
+    gx = op.ConvTranspose(op.Reshape(scaled, op.ints([-1, 1, *out])), ones, strides=strides, dilations=dilations,
+                          pads=pads, output_padding=extra, kernel_shape=kernel)
+    return [ctx.reshape_like(gx, x)]
+
+
+@rule("GlobalAveragePool", since=13)
+def global_average_pool(ctx):
+    """dx = expand(dy / number of spatial positions)"""
+    x, y, gy, op = ctx.I(0), ctx.O(0), ctx.GO(0), ctx.op
+    shape = ctx.shape_of(x)
+    if x.shape is not None and all(isinstance(d, int) for d in x.shape[2:]):
+        scaled = op.Div(gy, ctx.const_like(float(np.prod(x.shape[2:])), y))
+    else:
+        count = op.Cast(op.Div(op.Size(x), op.Size(y)), to=ctx.elem_type(y))
+        scaled = op.Div(gy, count)
+    return [op.Expand(scaled, shape)]
+
+
+@rule("GlobalMaxPool", since=13)
+def global_max_pool(ctx):
+    """dx = dy where x equals its channel's maximum (ties share the gradient)"""
+    x, y, gy, op = ctx.I(0), ctx.O(0), ctx.GO(0), ctx.op
+    rank = ctx.rank(x)
+    is_max = op.Equal(x, y)  # a mask: forward-only, one byte per element
+    ties = op.ReduceSum(op.Cast(is_max, to=ctx.elem_type(y)), op.ints(range(2, rank)), keepdims=1)
+    share = op.Div(gy, ties)
+    return [op.Where(is_max, share, ctx.const_like(0.0, y))]
