@@ -106,6 +106,11 @@ class Runner:
         return [np.asarray(v) for v in self.ref.run(None, feeds)]
 
 
+def float_outputs(model: onnx.ModelProto) -> list[str]:
+    """The outputs that can be heads of the loss (not indices or masks)."""
+    return [o.name for o in model.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES]
+
+
 def _build(model: onnx.ModelProto, heads: list[str], wrt: list[str]) -> onnx.ModelProto:
     """Every head, scalar or not, gets a `<head>_grad` input, so the test chooses each direction."""
     return onnxgrad.build(model, loss=heads, requires_grad=wrt, feed_head_grads=True).model
@@ -114,7 +119,7 @@ def _build(model: onnx.ModelProto, heads: list[str], wrt: list[str]) -> onnx.Mod
 def check_case(case: Case, seed: int = 0, full_jacobian_max: int = 48) -> None:
     rng = np.random.default_rng(seed)
     fwd, wrt = _model(case, case.dtype)
-    heads = [o.name for o in fwd.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES]
+    heads = float_outputs(fwd)
     train = _build(fwd, heads, wrt)
     f, b = Runner(fwd), Runner(train)
 
