@@ -102,10 +102,12 @@ def _path_from(heads: list[Value], target: Node, on_path: set[int]) -> str:
 
 
 def differentiate(graph: Graph, heads: list[Value], head_grads: list[Value], wrt: list[Value],
-                  names: Names) -> GradientResult:
-    """Append the backward graph of `heads` (seeded with `head_grads`) with respect to `wrt`."""
+                  names: Names, live: set[int] | None = None) -> GradientResult:
+    """Append the backward graph of `heads` (seeded with `head_grads`) with respect to `wrt`.
+
+    `live` is `reaching(graph, heads)` where the caller has it already."""
     opset = graph.opset
-    on_path = reachable_from(graph, wrt) & reaching(graph, heads)
+    on_path = reachable_from(graph, wrt) & (live if live is not None else reaching(graph, heads))
     contributions: dict[int, list[Value]] = {}
     for h, hg in zip(heads, head_grads):
         contributions.setdefault(id(h), []).append(hg)
