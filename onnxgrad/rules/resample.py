@@ -1,0 +1,4 @@
+"""Gradient rules: resample ops."""
+from __future__ import annotations
+
+from ..registry import rule  # noqa: F401
