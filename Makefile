@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 OUT    ?= out
 
-.PHONY: setup setup-test demo test bench ops-table models clean
+.PHONY: setup setup-test demo test bench ops-table models clean fuzz
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ demo: setup
 
 test: setup-test
 	$(BIN)/python -m pytest -q
+
+# Random graphs through build-grad + check, and mutated protobufs through the loader: FUZZ_EXAMPLES fresh
+# examples of each (`make test` runs 400 fixed ones); prints the outcome counts, also in $(OUT)/fuzz_stats.json.
+FUZZ_EXAMPLES ?= 2000
+fuzz: setup-test
+	@mkdir -p $(OUT)
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_STATS=$(OUT)/fuzz_stats.json $(BIN)/python -m pytest -q -s tests/test_fuzz.py
 
 bench: setup
 	$(BIN)/python bench/bench_build.py

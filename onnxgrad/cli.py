@@ -1,7 +1,12 @@
 """The `onnxgrad` command line. Results go to stdout, messages to stderr; every failure is one line.
 
 Exit codes: 0 success, 2 usage (bad flags, names that do not exist, paths refused), 3 invalid model,
-4 unsupported (an op or form with no gradient rule), 5 output cannot be written, 70 internal error.
+4 unsupported (an op or form with no gradient rule), 5 output cannot be written, 6 `check` found a gradient off,
+70 internal error.
+
+Every --report FILE.json has the keys `report_version`, `command` and `onnxgrad_version`, then the command's own
+keys (README, "Reports"); it is written only when the command finishes its work (for `check`, also when a
+gradient is off), together with the command's other outputs or not at all.
 """
 from __future__ import annotations
 
@@ -13,13 +18,25 @@ import traceback
 import click
 
 from . import __version__
-from .errors import InternalError, OnnxgradError, UsageError
-from .io import check_output_path, save_json, save_model
+from .errors import GradientCheckError, InternalError, OnnxgradError, UsageError
+from .io import check_output_path, json_bytes, save_json, save_model, write_along
 
 log = logging.getLogger("onnxgrad")
 
 EXIT_CODES_HELP = ("Exit codes: 0 success, 2 usage error, 3 invalid model, 4 unsupported op or form, "
                    "5 output not writable, 70 internal error.")
+CHECK_EXIT_CODES_HELP = ("Exit codes: 0 every gradient within tolerance, 6 a gradient is off, 2 usage error "
+                         "(e.g. not a training graph), 3 invalid model, 5 report not writable, 70 internal error.")
+REPORT_VERSION = 1
+
+
+def _report(command: str, body: dict) -> dict:
+    """A --report's contents: the keys every report has, then the command's own."""
+    return {"report_version": REPORT_VERSION, "command": command, "onnxgrad_version": __version__, **body}
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
 def _names(values: tuple[str, ...]) -> list[str]:
@@ -30,7 +47,7 @@ def _names(values: tuple[str, ...]) -> list[str]:
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
              epilog=EXIT_CODES_HELP)
 @click.version_option(__version__, prog_name="onnxgrad")
-@click.option("-q", "--quiet", is_flag=True, help="Print errors only.")
+@click.option("-q", "--quiet", is_flag=True, help="Log errors only (results still go to stdout).")
 @click.option("-v", "--verbose", is_flag=True, help="Print progress and, on an internal error, the traceback.")
 @click.pass_context
 def cli(ctx, quiet, verbose):
@@ -39,11 +56,90 @@ def cli(ctx, quiet, verbose):
     \b
       onnxgrad build-grad model.onnx -o train.onnx     forward graph -> forward + backward graph
       onnxgrad run train.onnx --steps 3                run training steps in onnxruntime
+      onnxgrad check train.onnx                         verify its gradients by finite differences
+      onnxgrad train step.onnx --data d.npz --epochs 5 train with a step graph (build-grad --optimizer)
       onnxgrad ops                                      list the ops that have gradient rules
     """
     level = logging.ERROR if quiet else logging.DEBUG if verbose else logging.INFO
     logging.basicConfig(level=level, format="onnxgrad: %(message)s", stream=sys.stderr, force=True)
     ctx.obj = {"verbose": verbose}
+
+
+def _floats(spec: str | None, flag: str, count: int | None = None) -> list[float] | None:
+    """'0.9,0.999' -> [0.9, 0.999]."""
+    if spec is None:
+        return None
+    try:
+        values = [float(v) for v in spec.split(",")]
+    except ValueError:
+        values = None
+    if values is None or (count is not None and len(values) != count):
+        raise UsageError(f"{flag} {spec!r}: expected {count or 'one or more'} comma-separated numbers")
+    return values
+
+
+def _training_flags(command):
+    """The options of --loss-fn and --optimizer (README, "Losses and optimizers")."""
+    from .losses import LOSSES
+    from .optim import OPTIMIZERS
+
+    flags = [
+        click.option("--loss-fn", type=click.Choice(LOSSES),
+                     help="Append this loss to the model and differentiate it: mse, l1, bce-with-logits compare "
+                          "--target with a float input of its shape; cross-entropy reads int64 class indices "
+                          "(the output's shape without axis 1). As torch.nn.functional's losses."),
+        click.option("--target", metavar="NAME", help="With --loss-fn: the output (predictions or logits) to "
+                                                      "compare. Default: the only output."),
+        click.option("--target-input", metavar="NAME", help="With --loss-fn: name of the added target input "
+                                                            "[default: target]."),
+        click.option("--loss-output", metavar="NAME", help="With --loss-fn: name of the added scalar loss "
+                                                           "output [default: loss]."),
+        click.option("--reduction", type=click.Choice(["mean", "sum"]),
+                     help="With --loss-fn: mean or sum over the elements [default: mean]."),
+        click.option("--class-weights", metavar="W0,W1,..", help="With --loss-fn cross-entropy: a weight per "
+                                                                  "class; mean divides by the weights used."),
+        click.option("--ignore-index", metavar="K", type=int,
+                     help="With --loss-fn cross-entropy: targets equal to K add nothing [default: none]."),
+        click.option("--optimizer", type=click.Choice(OPTIMIZERS),
+                     help="Append this optimizer (as torch.optim; momentum = SGD with momentum 0.9) and write a "
+                          "step graph: one run is one training step, with <p>.next and <state>.next outputs "
+                          "to feed back (metadata onnxgrad.state). <param>_grad outputs are dropped."),
+        click.option("--lr", type=float, help="With --optimizer: the learning rate stored as the lr input's "
+                                              "value [default: 0.001]."),
+        click.option("--momentum", type=float, help="With --optimizer sgd or momentum [default: 0, 0.9]."),
+        click.option("--nesterov", is_flag=True, default=None, help="With --optimizer sgd or momentum: Nesterov "
+                                                                    "momentum."),
+        click.option("--betas", metavar="B1,B2", help="With --optimizer adam or adamw [default: 0.9,0.999]."),
+        click.option("--eps", type=float, help="With --optimizer adam or adamw [default: 1e-8]."),
+        click.option("--weight-decay", type=float, help="With --optimizer: L2 added to the gradient (sgd, "
+                                                        "momentum, adam) or decoupled (adamw) [default: 0; adamw "
+                                                        "0.01]."),
+        click.option("--clip-grad-norm", metavar="MAX", type=float,
+                     help="With --optimizer: scale all gradients together to an L2 norm of at most MAX first, as "
+                          "torch.nn.utils.clip_grad_norm_."),
+        click.option("--accumulate", metavar="K", type=click.IntRange(1),
+                     help="With --optimizer: accumulate gradients over K runs (micro-batches) and update on "
+                          "every K-th; counted by the state input micro_step."),
+        click.option("--keep-grads", is_flag=True, default=None,
+                     help="With --optimizer: keep the <param>_grad outputs, after the state outputs."),
+    ]
+    for flag in reversed(flags):
+        command = flag(command)
+    return command
+
+
+def _training_options(o: dict) -> dict:
+    """build()'s keywords from the --loss-fn and --optimizer flags; flags not given are left out."""
+    loss_options = {"target_input": o["target_input"], "loss_output": o["loss_output"],
+                    "reduction": o["reduction"], "class_weights": _floats(o["class_weights"], "--class-weights"),
+                    "ignore_index": o["ignore_index"]}
+    optimizer_options = {"lr": o["lr"], "momentum": o["momentum"], "nesterov": o["nesterov"],
+                         "betas": _floats(o["betas"], "--betas", 2), "eps": o["eps"],
+                         "weight_decay": o["weight_decay"], "clip_grad_norm": o["clip_grad_norm"],
+                         "accumulate": o["accumulate"], "keep_grads": o["keep_grads"]}
+    return {"loss_fn": o["loss_fn"], "target": o["target"], "optimizer": o["optimizer"],
+            "loss_options": {k: v for k, v in loss_options.items() if v is not None},
+            "optimizer_options": {k: v for k, v in optimizer_options.items() if v is not None}}
 
 
 @cli.command("build-grad", epilog=EXIT_CODES_HELP)
@@ -60,28 +156,57 @@ def cli(ctx, quiet, verbose):
 @click.option("--input-shape", metavar="NAME=D1xD2..", multiple=True,
               help="Fix a graph input's shape, e.g. x=2x3x224x224.")
 @click.option("--dim", metavar="SYMBOL=N", multiple=True, help="Bind a symbolic dimension, e.g. batch=8.")
+@_training_flags
+@click.option("--external-data", is_flag=True,
+              help="Write the weights to OUTPUT.data beside the output. Default: when the input model has "
+                   "external data, or when one file would pass protobuf's 2 GB limit.")
 @click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),
               help="Also write a JSON report: loss, parameters, outputs, node counts, rules used, seconds.")
 @click.option("-f", "--force", is_flag=True, help="Replace the output file if it exists.")
-def build_grad(model, output, loss, requires_grad, frozen, also_grad, input_shape, dim, report, force):
+def build_grad(model, output, loss, requires_grad, frozen, also_grad, input_shape, dim, external_data, report, force,
+               **training):
     """Write the training graph of MODEL: its outputs, then <param>_grad for each parameter (initializer
     order), then <value>_grad for each --also-grad value. Parameters stay initializers and are also graph
-    inputs, so a caller can feed new values. A non-scalar --loss gets a <loss>_grad input to feed."""
+    inputs, so a caller can feed new values. A non-scalar --loss gets a <loss>_grad input to feed.
+
+    --loss-fn first appends a loss (a `target` input, a `loss` output); --optimizer then writes a step graph
+    that also updates the parameters, so one run is one training step (see `onnxgrad train`)."""
     from .api import build
     from .loader import parse_dim_bindings, parse_shape_bindings
 
     out = check_output_path(output, [model], force)
+    if report and os.path.abspath(report) == os.path.abspath(output):
+        raise UsageError(f"--report {report}: is the output model; choose another path")
     report_path = check_output_path(report, [model, output], force) if report else None
     result = build(model, loss=loss, requires_grad=_names(requires_grad) or None, frozen=_names(frozen),
                    also_grad=_names(also_grad), input_shapes=parse_shape_bindings(list(input_shape)),
-                   dims=parse_dim_bindings(list(dim)))
-    save_model(result.model, out)
+                   dims=parse_dim_bindings(list(dim)), weights_apart=True, **_training_options(training))
     r = result.report
+    if not r["parameters"] and not r.get("also_grad"):
+        raise UsageError(f"nothing to differentiate: no floating-point initializer reaches the loss {r['loss']!r} "
+                         f"through differentiable ops (all frozen, or none); name graph inputs with --requires-grad")
+
+    def write_model():
+        _save_training_graph(result, model, out, external_data, force)
+    if report_path:  # the report and the model, or neither
+        write_along(report_path, json_bytes(_report("build-grad", {"input": str(model), "output": str(out), **r})),
+                    write_model)
+    else:
+        write_model()
     log.info("%s: loss %s, %d parameters, %d forward + %d backward nodes, %.2f s", out, r["loss"],
              len(r["parameters"]), r["forward_nodes"], r["backward_nodes"], r["seconds"])
-    if report_path:
-        save_json({"command": "build-grad", "input": str(model), "output": str(out), **r}, report_path)
     click.echo(str(out))
+
+
+def _save_training_graph(result, model: str, out, external_data: bool, force: bool) -> None:
+    """Write build-grad's result, streaming its weights (never a second copy of them in memory); the weights
+    go to <out>.data when asked, when the input had external data, or when one file would pass 2 GB."""
+    from .io import data_path, needs_external_data
+
+    external = external_data or bool(result.external_data) or needs_external_data(result.model, result.weights)
+    if external:
+        check_output_path(data_path(out), [model, *result.external_data], force)
+    save_model(result.model, out, weights=result.weights, external_data=external)
 
 
 @cli.command("run", epilog=EXIT_CODES_HELP)
@@ -112,15 +237,163 @@ def run_cmd(train_model, steps, lr, data, dim, seed, provider, report):
     for name, norm in history[0]["grad_norms"].items():
         click.echo(f"{name:40s} {norm:12.6g}")
     if report:
-        save_json({"command": "run", "input": train_model, "steps": history}, check_output_path(report, [], True))
+        save_json(_report("run", {"input": train_model, "steps": history}),
+                  check_output_path(report, [train_model], True))
+
+
+@cli.command("train", epilog=EXIT_CODES_HELP)
+@click.argument("step_model", type=click.Path(path_type=str))
+@click.option("--data", required=True, type=click.Path(path_type=str),
+              help="An .npz file with one array per data input of the step graph, all with the same first dim.")
+@click.option("--steps", type=click.IntRange(1), help="Stop after this many steps, counted from the start of "
+              "training (a resumed run counts the checkpoint's steps).")
+@click.option("--epochs", type=click.IntRange(1), help="Stop after this many epochs (whichever of --steps and "
+              "--epochs comes first). Default without either: one epoch.")
+@click.option("--batch", type=click.IntRange(1), help="Rows per step. Default: the graph's fixed batch dim, "
+              "else 32 (at most all rows). The last partial batch of each epoch is dropped.")
+@click.option("--keep-last-batch", is_flag=True, help="Run the last partial batch of each epoch too.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the per-epoch shuffle.")
+@click.option("--no-shuffle", is_flag=True, help="Visit the rows in order every epoch.")
+@click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="onnxruntime execution provider; auto: CUDA where onnxruntime can use it.")
+@click.option("--threads", type=click.IntRange(1), help="onnxruntime intra-op threads (default: its own).")
+@click.option("--lr", type=float, help="Feed this learning rate to the graph's lr input (default: its stored value).")
+@click.option("--checkpoint", metavar="PATH.npz", type=click.Path(path_type=str),
+              help="Save parameters, optimizer state and the data position here at the end (and every "
+                   "--checkpoint-every steps).")
+@click.option("--checkpoint-every", metavar="N", type=click.IntRange(1), help="Also checkpoint every N steps.")
+@click.option("--resume", metavar="PATH.npz", type=click.Path(path_type=str),
+              help="Restore a checkpoint and continue as if never interrupted (same --data/--batch/--seed).")
+@click.option("--export", metavar="MODEL.onnx", type=click.Path(path_type=str),
+              help="At the end, write the forward model with the trained weights.")
+@click.option("--forward", metavar="MODEL.onnx", type=click.Path(path_type=str),
+              help="For --export: the forward model the step graph was built from; its initializers get the "
+                   "trained values. Default: the step graph cut back to its forward outputs.")
+@click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),
+              help="Also write the per-step losses, step times and throughput as JSON.")
+@click.option("--log-every", metavar="N", type=click.IntRange(1),
+              help="When stderr is not a terminal, print a progress line every N steps (default: 10 lines).")
+@click.option("--quiet", "quiet_train", is_flag=True, help="No progress output.")
+@click.option("-f", "--force", is_flag=True, help="Replace existing --export and --report files.")
+def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_shuffle, provider, threads, lr,
+              checkpoint, checkpoint_every, resume, export, forward, report, log_every, quiet_train, force):
+    """Train with a step graph (written by build-grad --optimizer) in onnxruntime: parameters and optimizer
+    state stay on the device between steps; progress (loss, samples/s) goes to stderr, a summary to stdout."""
+    from .trainer import Trainer
+
+    if checkpoint_every and not checkpoint:
+        raise UsageError("--checkpoint-every needs --checkpoint PATH")
+    if forward and not export:
+        raise UsageError("--forward is only used with --export")
+    if not os.path.isfile(data):
+        raise UsageError(f"--data {data}: no such file")
+    inputs = [step_model, data] + ([forward] if forward else [])
+    outputs = {flag: check_output_path(path, inputs, force) for flag, path in (("export", export), ("report", report))
+               if path}
+    checkpoint_path = check_output_path(checkpoint, inputs, True) if checkpoint else None
+    trainer = Trainer(step_model, provider=provider, threads=threads, lr=lr)
+    if resume:
+        trainer.load_checkpoint(resume)
+    quiet = quiet_train or not log.isEnabledFor(logging.INFO)
+    result = trainer.fit(data, steps=steps, epochs=epochs, batch=batch, seed=seed, shuffle=not no_shuffle,
+                         drop_last=not keep_last_batch, checkpoint=checkpoint_path,
+                         checkpoint_every=checkpoint_every, progress="off" if quiet else "auto",
+                         log_every=log_every)
+    if result.losses:
+        click.echo(f"steps {result.first_step}-{result.steps} (epoch {result.epochs:.2f}, {trainer.device}): "
+                   f"loss {result.losses[0]:.6g} -> {result.losses[-1]:.6g}, "
+                   f"{result.samples_per_second:,.0f} samples/s")
+    else:
+        click.echo(f"nothing to run: the checkpoint is at step {trainer.steps_done}")
+    if "export" in outputs:
+        trainer.export(outputs["export"], forward=forward)
+        click.echo(str(outputs["export"]))
+    if "report" in outputs:
+        save_json(_report("train", {"input": step_model, "data": data, "device": trainer.device, "lr": trainer.lr,
+                                    "seed": seed, "resumed_from": resume, "checkpoint": checkpoint,
+                                    "export": export, **result.to_json()}), outputs["report"])
 
 
 @cli.command("ops")
 @click.option("--markdown", is_flag=True, help="Print the table as Markdown (as in the README).")
-def ops_cmd(markdown):
+@click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),
+              help="Also write the table as JSON: rules (op, opsets, inputs, limits) and ops with no gradient.")
+@click.option("-f", "--force", is_flag=True, help="Replace the report file if it exists.")
+def ops_cmd(markdown, report, force):
     """List every op with a gradient rule, its opset range and limits, and the ops that pass no gradient."""
+    from . import registry
     from .ops_table import ops_table
-    click.echo(ops_table(markdown), nl=False)
+    report_path = check_output_path(report, [], force) if report else None
+    text = ops_table(markdown)
+    if report_path:
+        rules = [{"op": r.op_type, "since": r.since, "until": None if r.until >= registry.INF else r.until,
+                  "inputs": None if r.wrt is None else list(r.wrt), "limits": r.limits}
+                 for r in registry.all_rules()]
+        none = [{"op": op, "why": why} for op, why in registry.all_non_differentiable().items()]
+        save_json(_report("ops", {"rules": rules, "non_differentiable": none}), report_path)
+    click.echo(text, nl=False)
+
+
+@cli.command("check", epilog=CHECK_EXIT_CODES_HELP)
+@click.argument("train_model", type=click.Path(path_type=str))
+@click.option("--samples", default=5, show_default=True, type=click.IntRange(0),
+              help="Elements checked per parameter, chosen at random (0: every element).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the data, directions and samples.")
+@click.option("--tol", default=1e-4, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Largest relative error allowed in float64.")
+@click.option("--tol32", default=1e-1, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Largest relative error allowed where the check runs in float32.")
+@click.option("--precision", type=click.Choice(["auto", "float64", "float32"]), default="auto", show_default=True,
+              help="auto: float64 where onnxruntime can run the graph in float64, else the model's own types.")
+@click.option("--loss", metavar="NAME", multiple=True,
+              help="The loss output(s). Default: the onnxgrad.loss metadata that build-grad writes.")
+@click.option("--dim", metavar="SYMBOL=N", multiple=True,
+              help="Size of a symbolic dimension for the random data (default 2).")
+@click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),
+              help="Also write the table as JSON (written when a gradient is off, too).")
+@click.option("-f", "--force", is_flag=True, help="Replace the report file if it exists.")
+def check_cmd(train_model, samples, seed, tol, tol32, precision, loss, dim, report, force):
+    """Check the gradients of a training graph (written by build-grad) numerically: on seeded random data,
+    compare each <param>_grad output with central finite differences of the loss, for a sample of elements
+    of every parameter; in float64 where the graph allows. Prints a table; exits 6 when a gradient is off."""
+    from .check import check_training_graph
+    from .loader import parse_dim_bindings, read_model
+
+    report_path = check_output_path(report, [train_model], force) if report else None
+    model = read_model(train_model)
+    result = check_training_graph(model, loss=_names(loss) or None, samples=samples, seed=seed, tol=tol,
+                                  tol32=tol32, dims=parse_dim_bindings(list(dim)), precision=precision)
+    code = 0 if result.passed else GradientCheckError.exit_code
+    if report_path:
+        save_json(_report("check", {"input": train_model, "exit_code": code, **result.to_json()}), report_path)
+    click.echo(result.table(), nl=False)
+    if not result.passed:
+        raise GradientCheckError(f"{len(result.failed)} of {len(result.params)} gradients off by more than "
+                                 f"{result.tol:g}: {', '.join(result.failed)}")
+
+
+@cli.command("materialize", epilog=EXIT_CODES_HELP)
+@click.argument("model", type=click.Path(path_type=str))
+@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=str),
+              help="Where to write the model with weights (never the input; an existing file needs --force).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the random weights.")
+@click.option("--no-calibrate", is_flag=True,
+              help="Skip the forward pass that rescales each Conv/Gemm/MatMul weight to unit output scale.")
+@click.option("-f", "--force", is_flag=True, help="Replace the output file if it exists.")
+def materialize_cmd(model, output, seed, no_calibrate, force):
+    """Give a weightless model random trainable weights: each ConstantOfShape placeholder (as in the onnx
+    model zoo's light graphs shipped inside the onnx wheel) and each float Constant of 2+ elements becomes
+    an initializer, scaled for its role (He for Conv/Gemm/MatMul; BatchNormalization variance positive,
+    scale near 1, mean near 0). The same seed gives the same file."""
+    from .loader import read_model
+    from .materialize import materialize
+
+    out = check_output_path(output, [model], force)
+    result, report = materialize(read_model(model), seed=seed, calibrate=not no_calibrate)
+    save_model(result, out)
+    log.info("%s: %d placeholders and %d constants -> initializers, %s parameters, %d layers calibrated", out,
+             report.placeholders, report.constants, f"{report.parameters:,}", report.calibrated)
+    click.echo(str(out))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,13 +403,13 @@ def main(argv: list[str] | None = None) -> int:
         cli.main(args=argv, prog_name="onnxgrad", standalone_mode=False)
         return 0
     except OnnxgradError as e:
-        click.echo(f"onnxgrad: error: {e}", err=True)
+        click.echo(f"onnxgrad: error: {_one_line(e)}", err=True)
         return e.exit_code
     except click.exceptions.Abort:
         click.echo("onnxgrad: interrupted", err=True)
         return 130
     except click.ClickException as e:
-        click.echo(f"onnxgrad: error: {e.format_message()}", err=True)
+        click.echo(f"onnxgrad: error: {_one_line(e.format_message())}", err=True)
         return UsageError.exit_code
     except KeyboardInterrupt:
         click.echo("onnxgrad: interrupted", err=True)

@@ -25,6 +25,12 @@ class UnsupportedError(OnnxgradError):
     exit_code = 4
 
 
+class GradientCheckError(OnnxgradError):
+    """`onnxgrad check`: a gradient of the training graph disagrees with finite differences."""
+
+    exit_code = 6
+
+
 class InternalError(OnnxgradError):
     """onnxgrad produced something wrong: a bug to report."""
 

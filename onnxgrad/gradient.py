@@ -17,7 +17,7 @@ import onnx.defs
 from . import registry
 from .builder import Builder, GradContext, Names
 from .errors import InternalError, UnsupportedError
-from .ir import Graph, Node, Value
+from .ir import Graph, Node, Value, names_defined_in
 
 
 @dataclass
@@ -31,10 +31,10 @@ def differentiable_edge(node: Node, i: int, opset: int) -> bool:
     """Can a gradient flow from node's outputs back into input i?"""
     if registry.is_non_differentiable(node.op_type, node.domain):
         return False
-    v = node.input(i)
+    v = node.input(i)  # implicit inputs (outer values read by subgraphs) are numbered after the explicit ones
     if v is None or (v.elem_type is not None and not v.is_float):
         return False
-    if schema_says_non_differentiable(node.op_type, node.domain, opset, i):
+    if i < len(node.inputs) and schema_says_non_differentiable(node.op_type, node.domain, opset, i):
         return False
     r = registry.lookup(node.op_type, opset, node.domain)
     return r is None or r.differentiates(i)  # no rule: keep the edge so the error can name the op
@@ -63,7 +63,7 @@ def reachable_from(graph: Graph, sources: list[Value]) -> set[int]:
     active = {id(v) for v in sources}
     for node in graph.nodes:
         if any(v is not None and id(v) in active and differentiable_edge(node, i, graph.opset)
-               for i, v in enumerate(node.inputs)):
+               for i, v in enumerate(node.all_inputs)):
             active.update(id(o) for o in node.outputs if _float_out(o))
     return active
 
@@ -73,7 +73,7 @@ def reaching(graph: Graph, heads: list[Value]) -> set[int]:
     live = {id(v) for v in heads}
     for node in reversed(graph.nodes):
         if any(id(o) in live for o in node.outputs if _float_out(o)):
-            live.update(id(v) for i, v in enumerate(node.inputs)
+            live.update(id(v) for i, v in enumerate(node.all_inputs)
                         if v is not None and differentiable_edge(node, i, graph.opset))
     return live
 
@@ -90,7 +90,7 @@ def _path_from(heads: list[Value], target: Node, on_path: set[int]) -> str:
         n = queue.popleft()
         if n is target:
             break
-        for v in n.inputs:
+        for v in n.all_inputs:
             if v is not None and id(v) in on_path and v.producer is not None and id(v.producer) not in parent:
                 parent[id(v.producer)] = (v.producer, n)
                 queue.append(v.producer)
@@ -107,6 +107,10 @@ def differentiate(graph: Graph, heads: list[Value], head_grads: list[Value], wrt
 
     `live` is `reaching(graph, heads)` where the caller has it already."""
     opset = graph.opset
+    for node in graph.nodes:  # a new value must not take a name that a subgraph defines (no shadowing)
+        for sub in node.subgraphs():
+            for name in names_defined_in(sub):
+                names.reserve(name)
     on_path = reachable_from(graph, wrt) & (live if live is not None else reaching(graph, heads))
     contributions: dict[int, list[Value]] = {}
     for h, hg in zip(heads, head_grads):
@@ -126,7 +130,7 @@ def differentiate(graph: Graph, heads: list[Value], head_grads: list[Value], wrt
         if not any(id(o) in on_path for o in node.outputs):
             continue
         needed = [v is not None and id(v) in on_path and differentiable_edge(node, i, opset)
-                  for i, v in enumerate(node.inputs)]
+                  for i, v in enumerate(node.all_inputs)]
         if not any(needed):
             continue
         op = Builder(graph, names, prefix=f"{node.name or node.op_type}_grad")
@@ -142,9 +146,9 @@ def differentiate(graph: Graph, heads: list[Value], head_grads: list[Value], wrt
         ctx = GradContext(node, out_grads, needed, op, opset)
         in_grads = rule.fn(ctx)
         # a rule may list gradients for absent trailing optional inputs, as long as they are None
-        if in_grads is None or any(g is not None for g in in_grads[len(node.inputs):]):
-            raise InternalError(f"the {node.op_type} rule returned {in_grads!r} for {len(node.inputs)} inputs")
-        for i, (v, g) in enumerate(zip(node.inputs, in_grads)):
+        if in_grads is None or any(g is not None for g in in_grads[len(node.all_inputs):]):
+            raise InternalError(f"the {node.op_type} rule returned {in_grads!r} for {len(node.all_inputs)} inputs")
+        for i, (v, g) in enumerate(zip(node.all_inputs, in_grads)):
             if needed[i] and g is None:
                 raise InternalError(f"the {node.op_type} rule gave no gradient for needed input {i} "
                                     f"of node {node.name!r}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import onnx
 
+from . import weights as weight_store
 from .errors import OnnxgradError, UsageError
 
 
@@ -36,27 +37,168 @@ def check_output_path(out: str | os.PathLike, inputs: list[str | os.PathLike], f
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent.resolve())
+    write_files({Path(path): data})
+
+
+def write_files(files: dict[Path, bytes]) -> None:
+    """Write each file to a temp file beside it; only when all are complete, rename them into place. A full
+    disk or a refused folder leaves nothing behind, neither a temp file nor a partial set of outputs."""
+    temps: dict[Path, str] = {}
+    try:
+        for path, data in files.items():
+            temps[path] = _write_temp(path, data)
+        for path, tmp in temps.items():
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                raise _output_error(path, e) from None
+    finally:
+        for tmp in temps.values():
+            _remove(tmp)  # a no-op for the temps already renamed
+
+
+def _write_temp(path: Path, data: bytes) -> str:
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent.resolve())
+        _usual_mode(tmp)
+    except OSError as e:
+        raise _output_error(path, e) from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except OSError as e:
         _remove(tmp)
-        raise OutputError(f"{path}: cannot write ({e.strerror or e})") from None
+        raise _output_error(path, e) from None
     except BaseException:
         _remove(tmp)
         raise
+    return tmp
 
 
-def save_model(model: onnx.ModelProto, path: Path) -> None:
-    atomic_write_bytes(path, model.SerializeToString(deterministic=True))
+def _output_error(path: Path, e: OSError) -> OutputError:
+    return OutputError(f"{path}: cannot write ({e.strerror or e})")
+
+
+def write_along(path: Path, data: bytes, write_others) -> None:
+    """Write `data` to `path` together with the files `write_others()` writes atomically: `data` goes to a temp
+    file first and is renamed into place only when they are written, so a failure leaves none of them."""
+    tmp = _write_temp(Path(path), data)
+    try:
+        write_others()
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            raise _output_error(Path(path), e) from None
+    finally:
+        _remove(tmp)  # a no-op once renamed
+
+
+# protobuf refuses to serialize a message of 2 GiB or more; stay clear of it
+PROTO_LIMIT = 2**31 - 64 * 2**20
+DATA_ALIGN = 4096  # each tensor's offset in the data file, so a runtime may map it
+
+
+def save_model(model: onnx.ModelProto, path: Path, weights: dict[str, onnx.TensorProto] | None = None,
+               external_data: bool | None = None) -> None:
+    """Write `model` atomically. Stubs (weights.py) take their data from `weights`. With `external_data`
+    (default: only when one proto would pass 2 GB) every initializer of 1 KiB or more goes to
+    `<path>.data` beside it (`data_path`); otherwise the model is one file. `model` is changed in place."""
+    path = Path(path)
+    held = weights or {}
+    if external_data is None:
+        external_data = needs_external_data(model, held)
+    if not external_data:
+        if weight_store.stubs(model):
+            weight_store.join(model, held)
+        atomic_write_bytes(path, model_bytes(model))
+        return
+    _save_with_external_data(model, path, held)
+
+
+def data_path(path: str | os.PathLike) -> Path:
+    """Where `save_model` puts a model's external data: `<path>.data`."""
+    path = Path(path)
+    return path.with_name(path.name + ".data")
+
+
+def needs_external_data(model: onnx.ModelProto, weights: dict[str, onnx.TensorProto] | None = None) -> bool:
+    return weight_store.total_bytes(model, weights or {}) >= PROTO_LIMIT
+
+
+def _save_with_external_data(model: onnx.ModelProto, path: Path, weights: dict[str, onnx.TensorProto]) -> None:
+    """Stream each large tensor's data into a temp file beside `path` (one tensor in memory at a time),
+    point the model's tensors at it, write the model to a second temp file, then rename both into place:
+    the data first, so that the model file never names data that is not there."""
+    target = data_path(path)
+    temps: dict[Path, str] = {}
+    try:
+        temps[target] = _new_temp(target)
+        try:
+            with open(temps[target], "wb") as f:
+                offset = 0
+                for t in model.graph.initializer:
+                    stub = weight_store.is_stub(t)
+                    if not stub and (t.data_location == onnx.TensorProto.EXTERNAL
+                                     or weight_store.nbytes(t) < weight_store.MIN_BYTES):
+                        continue
+                    data = weight_store.raw_bytes(weight_store.data_of(t, weights) if stub else t)
+                    pad = -offset % DATA_ALIGN
+                    f.write(b"\0" * pad)
+                    offset += pad
+                    f.write(data)
+                    for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data",
+                                  "uint64_data", "string_data"):
+                        t.ClearField(field)
+                    del t.external_data[:]
+                    t.data_location = onnx.TensorProto.EXTERNAL
+                    for key, value in (("location", target.name), ("offset", offset), ("length", len(data))):
+                        t.external_data.add(key=key, value=str(value))
+                    offset += len(data)
+                    del data
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise _output_error(target, e) from None
+        temps[path] = _write_temp(path, model_bytes(model))
+        for final in (target, path):
+            try:
+                os.replace(temps[final], final)
+            except OSError as e:
+                raise _output_error(final, e) from None
+    finally:
+        for tmp in temps.values():
+            _remove(tmp)  # a no-op for the temps already renamed
+
+
+def _new_temp(path: Path) -> str:
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent.resolve())
+    except OSError as e:
+        raise _output_error(path, e) from None
+    os.close(fd)
+    _usual_mode(tmp)
+    return tmp
+
+
+def _usual_mode(tmp: str) -> None:
+    """mkstemp makes files only their owner may read (0600); an output gets the mode open() would give it."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
 
 
 def save_json(obj, path: Path) -> None:
-    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(Path(path), json_bytes(obj))
+
+
+def model_bytes(model: onnx.ModelProto) -> bytes:
+    return model.SerializeToString(deterministic=True)
+
+
+def json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
 def _remove(p: str) -> None:

@@ -12,6 +12,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .weights import copy_fields, is_stub, should_stub, stub_of
+
 FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
                          onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
 
@@ -64,7 +66,7 @@ class Value:
 
 
 class Node:
-    __slots__ = ("op_type", "domain", "name", "inputs", "outputs", "attributes")
+    __slots__ = ("op_type", "domain", "name", "inputs", "outputs", "attributes", "implicit_inputs")
 
     def __init__(self, op_type: str, inputs: Iterable[Value | None], outputs: Iterable[Value], name: str,
                  attributes: Iterable[onnx.AttributeProto] = (), domain: str = ""):
@@ -74,6 +76,9 @@ class Node:
         self.inputs: list[Value | None] = list(inputs)
         self.outputs: list[Value] = list(outputs)
         self.attributes: list[onnx.AttributeProto] = list(attributes)
+        # outer-scope values read by name inside the node's subgraphs (If, Loop, Scan): inputs of the node for
+        # the walker, numbered after the explicit ones; never written into the node's input list
+        self.implicit_inputs: list[Value] = []
         for i, v in enumerate(self.inputs):
             if v is not None:
                 v.uses.append((self, i))
@@ -93,7 +98,30 @@ class Node:
         return any(a.name == name for a in self.attributes)
 
     def input(self, i: int) -> Value | None:
-        return self.inputs[i] if i < len(self.inputs) else None
+        """Input i, counting the implicit inputs after the explicit ones; None when absent."""
+        inputs = self.all_inputs
+        return inputs[i] if i < len(inputs) else None
+
+    @property
+    def all_inputs(self) -> list[Value | None]:
+        return self.inputs + self.implicit_inputs if self.implicit_inputs else self.inputs
+
+    def subgraphs(self) -> list[onnx.GraphProto]:
+        """The graphs held in the node's attributes (If's branches, Loop's and Scan's bodies)."""
+        found = []
+        for a in self.attributes:
+            if a.type == onnx.AttributeProto.GRAPH:
+                found.append(a.g)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                found.extend(a.graphs)
+        return found
+
+    def set_implicit_inputs(self, values: Iterable[Value]) -> None:
+        for k, v in enumerate(self.implicit_inputs):
+            v.uses.remove((self, len(self.inputs) + k))
+        self.implicit_inputs = list(values)
+        for k, v in enumerate(self.implicit_inputs):
+            v.uses.append((self, len(self.inputs) + k))
 
     def to_proto(self) -> onnx.NodeProto:
         node = onnx.NodeProto(op_type=self.op_type, domain=self.domain, name=self.name,
@@ -108,8 +136,7 @@ class Graph:
 
     def __init__(self, model: onnx.ModelProto):
         self.model_template = onnx.ModelProto()
-        self.model_template.CopyFrom(model)
-        self.model_template.graph.Clear()
+        copy_fields(model, self.model_template, {"graph"})  # not CopyFrom: that would copy every weight too
         self.name = model.graph.name
         self.doc_string = model.graph.doc_string
         self.opsets = {o.domain: o.version for o in model.opset_import}
@@ -145,7 +172,9 @@ class Graph:
     def is_initializer(self, v: Value) -> bool:
         return v.name in self.initializers
 
-    def to_model(self) -> onnx.ModelProto:
+    def to_model(self, weights_apart: bool = False) -> onnx.ModelProto:
+        """The model as a proto. `weights_apart`: write large float initializers as stubs (weights.py) whose
+        data stays in `self.initializers`, instead of copying it into the new proto."""
         model = onnx.ModelProto()
         model.CopyFrom(self.model_template)
         g = model.graph
@@ -153,7 +182,8 @@ class Graph:
         g.node.extend(n.to_proto() for n in self.nodes)
         g.input.extend(v.value_info() for v in self.inputs)
         g.output.extend(v.value_info() for v in self.outputs)
-        g.initializer.extend(self.initializers.values())
+        g.initializer.extend(stub_of(t) if weights_apart and should_stub(t) else t
+                             for t in self.initializers.values())
         g.sparse_initializer.extend(self.sparse_initializers)
         del model.opset_import[:]
         model.opset_import.extend(helper.make_opsetid(d, v) for d, v in self.opsets.items())
@@ -177,15 +207,16 @@ def _shape_of(type_proto: onnx.TypeProto) -> tuple[int | None, tuple[Dim, ...] |
     return t.elem_type or None, tuple(dims)
 
 
-def from_model(model: onnx.ModelProto) -> Graph:
-    """Build a `Graph` from a model whose shapes were inferred; value_info supplies types."""
+def from_model(model: onnx.ModelProto, weights: dict[str, onnx.TensorProto] | None = None) -> Graph:
+    """Build a `Graph` from a model whose shapes were inferred; value_info supplies types. `weights` holds
+    the data of a skeleton's stubs (weights.py): the Graph gets those tensors in their place."""
     graph = Graph(model)
     g = model.graph
     types: dict[str, onnx.TypeProto] = {}
     for vi in list(g.value_info) + list(g.input) + list(g.output):
         types[vi.name] = vi.type
     for init in g.initializer:
-        graph.initializers[init.name] = init
+        graph.initializers[init.name] = weights.get(init.name, init) if weights and is_stub(init) else init
         v = graph.value(init.name)
         v.elem_type, v.shape = init.data_type, tuple(init.dims)
     for vi in g.input:
@@ -201,7 +232,9 @@ def from_model(model: onnx.ModelProto) -> Graph:
             if name in types:
                 v.elem_type, v.shape = _shape_of(types[name])
             outputs.append(v)
-        graph.add_node(Node(n.op_type, inputs, outputs, n.name, copy.deepcopy(list(n.attribute)), n.domain))
+        node = graph.add_node(Node(n.op_type, inputs, outputs, n.name, copy.deepcopy(list(n.attribute)), n.domain))
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
+            attach_implicit_inputs(graph, node)
     graph.values.pop("", None)
     for vi in g.output:
         v = graph.value(vi.name)
@@ -210,6 +243,37 @@ def from_model(model: onnx.ModelProto) -> Graph:
         v.shape = v.shape if v.shape is not None else shape
         graph.outputs.append(v)
     return graph
+
+
+def outer_references(g: onnx.GraphProto) -> list[str]:
+    """Names a subgraph reads without defining them (nested subgraphs included), in first-use order."""
+    defined = {v.name for v in g.input} | {t.name for t in g.initializer}
+    defined |= {t.values.name for t in g.sparse_initializer} | {o for n in g.node for o in n.output}
+    refs: list[str] = []
+    for n in g.node:
+        refs.extend(n.input)
+        for a in n.attribute:
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs):
+                refs.extend(outer_references(sub))
+    refs.extend(o.name for o in g.output)
+    return [r for r in dict.fromkeys(refs) if r and r not in defined]
+
+
+def names_defined_in(g: onnx.GraphProto) -> set[str]:
+    """Every value name a subgraph defines, nested subgraphs included: names a new outer value must avoid."""
+    names = {v.name for v in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    for n in g.node:
+        for a in n.attribute:
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs):
+                names |= names_defined_in(sub)
+    names.discard("")
+    return names
+
+
+def attach_implicit_inputs(graph: Graph, node: Node) -> None:
+    """Give a node with subgraphs the outer values they read, looked up in `graph` by name."""
+    refs = [name for sub in node.subgraphs() for name in outer_references(sub)]
+    node.set_implicit_inputs(graph.values[name] for name in dict.fromkeys(refs) if name in graph.values)
 
 
 def tensor_value(t: onnx.TensorProto) -> np.ndarray:

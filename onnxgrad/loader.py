@@ -1,20 +1,34 @@
 """Loading a forward model: read it, bring it to a supported opset, bind symbolic dims, infer shapes."""
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import logging
 import os
+import re
+import sys
+import tempfile
 from pathlib import Path
 
 import onnx
+from google.protobuf.message import DecodeError
 from onnx import shape_inference, version_converter
 
-from .errors import InvalidModelError, UsageError
+from onnx.external_data_helper import (ExternalDataInfo, _get_all_tensors, load_external_data_for_tensor,
+                                      uses_external_data)
+
+from . import weights
+from .errors import InvalidModelError, OnnxgradError, UsageError
+
+log = logging.getLogger("onnxgrad")
 
 MIN_OPSET = 13   # older models are upgraded to this opset
 MAX_OPSET = 23   # newest opset whose operator forms the rules cover
 
 
-def read_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
-    """A ModelProto from a path (external data loaded from beside it) or a ModelProto (copied)."""
+def read_model(model: str | os.PathLike | onnx.ModelProto, *, load_external_data: bool = True) -> onnx.ModelProto:
+    """A ModelProto from a path (external data loaded from beside it, unless `load_external_data` is False)
+    or a ModelProto (copied)."""
     if isinstance(model, onnx.ModelProto):
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
@@ -25,9 +39,98 @@ def read_model(model: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
     if path.is_dir():
         raise UsageError(f"{path}: is a directory, expected an .onnx file")
     try:
-        return onnx.load(str(path))
-    except Exception as e:  # protobuf and external-data errors come in many types
+        if path.stat().st_size == 0:
+            raise InvalidModelError(f"{path}: empty file, not an ONNX model")
+        model = onnx.load(str(path), load_external_data=False)
+        _check_external_data(model, path)
+        if load_external_data:
+            onnx.load_external_data_for_model(model, str(path.parent))
+    except DecodeError:
+        raise InvalidModelError(f"{path}: not a readable ONNX model (not an ONNX protobuf, or truncated)") from None
+    except OnnxgradError:
+        raise
+    except Exception as e:  # external-data and OS errors come in many types
         raise InvalidModelError(f"{path}: not a readable ONNX model ({_first_line(e)})") from None
+    if not model.HasField("graph"):
+        raise InvalidModelError(f"{path}: not an ONNX model (the protobuf holds no graph)")
+    field = _undecodable_text(model)
+    if field:
+        raise InvalidModelError(f"{path}: not a readable ONNX model (a {field} is not valid UTF-8 text)")
+    return model
+
+
+def _undecodable_text(msg) -> str | None:
+    """The first string field that is not valid UTF-8, as 'NodeProto.name' (the checker does not look, and a
+    corrupt name would otherwise surface deep inside the build). Bytes fields (tensor data) are not read."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    for fd in msg.DESCRIPTOR.fields:
+        repeated = fd.is_repeated if hasattr(fd, "is_repeated") else fd.label == fd.LABEL_REPEATED
+        if fd.type == FieldDescriptor.TYPE_MESSAGE:
+            items = getattr(msg, fd.name) if repeated else [getattr(msg, fd.name)] if msg.HasField(fd.name) else []
+            for item in items:
+                found = _undecodable_text(item)
+                if found:
+                    return found
+        elif fd.type == FieldDescriptor.TYPE_STRING:
+            try:  # protobuf gives bytes for a proto2 string that is not UTF-8, or raises
+                values = list(getattr(msg, fd.name)) if repeated else [getattr(msg, fd.name)]
+            except UnicodeDecodeError:
+                values = [b""]
+            if any(isinstance(v, bytes) for v in values):
+                return f"{msg.DESCRIPTOR.name}.{fd.name}"
+    return None
+
+
+def _check_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Name the missing file, rather than let the loader fail on the first tensor it cannot read."""
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    for t in _tensors(model.graph):
+        if uses_external_data(t):
+            location = ExternalDataInfo(t).location
+            if not (path.parent / location).is_file():
+                raise InvalidModelError(f"{path}: the external data file {location!r} of tensor {t.name!r} is "
+                                        f"missing (expected beside the model)")
+
+
+def read_apart(model: str | os.PathLike | onnx.ModelProto) -> tuple[onnx.ModelProto, weights.Weights, list[Path]]:
+    """(skeleton, weights, external data files) of a model: the build's passes work on the skeleton, whose
+    large float initializers are stubs, while their data stays in `weights` (onnxgrad/weights.py). A path's
+    external data is loaded once, tensor by tensor; a ModelProto is neither copied nor changed."""
+    if isinstance(model, onnx.ModelProto):
+        skeleton, held = weights.split(model)
+        return skeleton, held, []
+    path = Path(model)
+    proto = read_model(path, load_external_data=False)
+    files = []
+    for t in _external_tensors(proto):
+        location = (path.parent / ExternalDataInfo(t).location).resolve()
+        if location not in files:
+            files.append(location)
+        try:
+            load_external_data_for_tensor(t, str(path.parent))
+        except Exception as e:  # onnx reports short files and bad offsets with several exception types
+            raise InvalidModelError(f"{path}: cannot read the external data of tensor {t.name!r} "
+                                    f"({_first_line(e)})") from None
+    skeleton, held = weights.split(proto)
+    return skeleton, held, files
+
+
+def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [t for t in _get_all_tensors(model) if uses_external_data(t)]
+
+
+def _tensors(g: onnx.GraphProto):
+    """Initializers and tensor attributes, subgraphs included."""
+    yield from g.initializer
+    for node in g.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from _tensors(sub)
 
 
 def upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -38,10 +141,22 @@ def upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
     if opset >= MIN_OPSET:
         return model
     try:
-        converted = version_converter.convert_version(model, MIN_OPSET)
+        with _stdout_to_log():
+            converted = version_converter.convert_version(model, MIN_OPSET)
     except Exception as e:
-        raise InvalidModelError(f"cannot convert opset {opset} to {MIN_OPSET}: {_first_line(e)}") from None
+        reason = _converter_reason(e, opset)
+        raise InvalidModelError(f"cannot convert opset {opset} to {MIN_OPSET}: {reason}") from None
     return converted
+
+
+def _converter_reason(e: Exception, opset: int) -> str:
+    """The converter's C++ assertion text, made readable: which op, or the assertion's message."""
+    text = _first_line(e)
+    m = re.search(rf"has no registered schema.*\.(\w+?){opset}{MIN_OPSET}$", text)
+    if m:
+        return f"op {m.group(1)} has no version at opset {MIN_OPSET} to convert to; export the model at opset " \
+               f"{MIN_OPSET} or newer"
+    return re.sub(r"^\S+\.(cc|h):\d+: \w+: (Assertion `.*` failed: )?", "", text)
 
 
 def model_opset(model: onnx.ModelProto) -> int:
@@ -81,6 +196,8 @@ def bind_shapes(model: onnx.ModelProto, input_shapes: dict[str, list[int]], dims
     """Fix graph-input shapes and replace symbolic dims by sizes, in place."""
     g = model.graph
     inputs = {vi.name: vi for vi in g.input}
+    # a symbol stands for one size everywhere: --input-shape x=2x3 on x[N, 3] also binds N elsewhere
+    bound = {sym: (size, f"--dim {sym}={size}") for sym, size in dims.items()}
     for name, shape in input_shapes.items():
         vi = inputs.get(name)
         if vi is None:
@@ -92,19 +209,24 @@ def bind_shapes(model: onnx.ModelProto, input_shapes: dict[str, list[int]], dims
         for d, size in zip(old, shape):
             if d.HasField("dim_value") and d.dim_value != size:
                 raise UsageError(f"--input-shape {name}: dim {d.dim_value} cannot be bound to {size}")
+            if d.HasField("dim_param") and d.dim_param:
+                prev = bound.setdefault(d.dim_param, (size, f"--input-shape {name}"))
+                if prev[0] != size:
+                    raise UsageError(f"--input-shape {name}: dim {d.dim_param!r} cannot be {size}: "
+                                     f"{prev[1]} makes it {prev[0]}")
         vi.type.tensor_type.shape.ClearField("dim")
         for size in shape:
             vi.type.tensor_type.shape.dim.add().dim_value = size
-    if not dims:
+    if not bound:
         return
     seen = set()
     for vi in list(g.input) + list(g.output) + list(g.value_info):
         if not vi.type.tensor_type.HasField("shape"):
             continue
         for d in vi.type.tensor_type.shape.dim:
-            if d.HasField("dim_param") and d.dim_param in dims:
+            if d.HasField("dim_param") and d.dim_param in bound:
                 seen.add(d.dim_param)
-                d.dim_value = dims[d.dim_param]
+                d.dim_value = bound[d.dim_param][0]
     missing = sorted(set(dims) - seen)
     if missing:
         raise UsageError(f"--dim {missing[0]}: no dimension of that name in the model's inputs or outputs")
@@ -119,9 +241,64 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def check(model: onnx.ModelProto) -> None:
     try:
-        onnx.checker.check_model(model)
+        with _stdout_to_log():
+            weights.check_model(model)  # a skeleton's stubs need a folder to be checked from
     except Exception as e:
         raise InvalidModelError(f"the model fails the ONNX checker: {_first_line(e)}") from None
+    _check_data_sizes(model)
+
+
+def _check_data_sizes(model: onnx.ModelProto) -> None:
+    """The checker lets a tensor's raw data disagree with its shape; onnxruntime would refuse it later."""
+    import numpy as np
+
+    bits = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4, getattr(onnx.TensorProto, "FLOAT4E2M1", -1): 4}
+    for t in _tensors(model.graph):
+        if not t.HasField("raw_data") or t.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        try:
+            width = bits.get(t.data_type) or 8 * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+        except (KeyError, ValueError, TypeError):  # strings, unknown types: the checker's business
+            continue
+        need = (int(np.prod(t.dims, dtype=np.int64)) * width + 7) // 8
+        if len(t.raw_data) != need:
+            raise InvalidModelError(f"tensor {t.name!r}: {len(t.raw_data)} bytes of data, but its shape "
+                                    f"{list(t.dims)} and type {onnx.TensorProto.DataType.Name(t.data_type)} "
+                                    f"need {need}")
+
+
+@contextlib.contextmanager
+def _stdout_to_log():
+    """onnx's C++ code prints warnings to stdout ("Model contains experimental ops"); stdout is for results,
+    so catch them at the file-descriptor level and log them (shown with --verbose)."""
+    fd = 1  # where C++ writes, whatever sys.stdout is
+    try:
+        os.fstat(fd)
+        sys.stdout.flush()
+    except (OSError, ValueError):  # no stdout at all
+        yield
+        return
+    saved = os.dup(fd)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), fd)
+        try:
+            yield
+        finally:
+            _flush_c_stdio()
+            os.dup2(saved, fd)
+            os.close(saved)
+            sink.seek(0)
+            text = sink.read().decode(errors="replace")
+    for line in text.splitlines():
+        if line.strip():
+            log.debug("onnx: %s", line.strip())
+
+
+def _flush_c_stdio() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
 
 
 def _first_line(e: Exception) -> str:

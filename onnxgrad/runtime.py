@@ -45,3 +45,44 @@ def session_options(model: onnx.ModelProto, threads: int | None = None) -> tuple
 def session(model: onnx.ModelProto, provider: str = "cpu", threads: int | None = None) -> ort.InferenceSession:
     so, extra = session_options(model, threads)
     return ort.InferenceSession(model.SerializeToString(), so, providers=providers(provider), **extra)
+
+
+def training_session(model: onnx.ModelProto, provider: str = "auto", threads: int | None = None,
+                     profile_prefix: str | None = None, configure=None) -> tuple[ort.InferenceSession, str]:
+    """A session for a step graph and the device ('cuda' or 'cpu') its state must live on. onnxruntime falls
+    back to the CPU when the CUDA provider cannot start; an explicit `cuda` makes that an error instead.
+    `configure(so)` may change the session options last (benchmarks try other settings with it)."""
+    so, extra = session_options(model, threads)
+    if profile_prefix:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    if configure is not None:
+        configure(so)
+    wanted = providers(provider)
+    if "CUDAExecutionProvider" in wanted:
+        # A CUDA provider that cannot start logs screenfuls before onnxruntime falls back to the CPU; the
+        # error below says why in one line. 2 (warnings) is onnxruntime's default level.
+        ort.set_default_logger_severity(4)
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=wanted, **extra)
+    finally:
+        ort.set_default_logger_severity(2)
+    on_cuda = "CUDAExecutionProvider" in sess.get_providers()
+    if provider == "cuda" and not on_cuda:
+        raise UsageError(f"--provider cuda: onnxruntime could not start its CUDA provider "
+                         f"({_cuda_failure()}); use --provider cpu")
+    return sess, "cuda" if on_cuda else "cpu"
+
+
+def _cuda_failure() -> str:
+    """Why the CUDA provider library does not load, e.g. a missing libcublasLt.so.13, or a missing GPU."""
+    import ctypes
+    from pathlib import Path
+    library = Path(ort.__file__).parent / "capi" / "libonnxruntime_providers_cuda.so"
+    if not library.exists():
+        return "this onnxruntime has no CUDA provider library"
+    try:
+        ctypes.CDLL(str(library))
+    except OSError as e:
+        return str(e)
+    return "no usable CUDA device"

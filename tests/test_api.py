@@ -232,3 +232,23 @@ def test_model_with_external_data(tmp_path):
     train = onnxgrad.build_gradient(str(tmp_path / "m.onnx"))
     out = run(train, {"x": np.array(3.0, np.float32)})
     assert out["w_grad"] == pytest.approx(2 * 6.5 * 3)
+
+
+def test_small_integer_subgraphs_are_folded_so_rules_see_constants():
+    # axes = Reshape(Constant([1]), [-1]), as exporters write them: ReduceMean keepdims=0 needs them known
+    nodes = [h.make_node("Constant", [], ["a0"], value=h.make_tensor("", T.INT64, [1], [1])),
+             h.make_node("Constant", [], ["flat"], value=h.make_tensor("", T.INT64, [1], [-1])),
+             h.make_node("Reshape", ["a0", "flat"], ["axes"]),
+             h.make_node("Mul", ["x", "w"], ["y"]),
+             h.make_node("ReduceMean", ["y", "axes"], ["m"], keepdims=0),
+             h.make_node("Shape", ["m"], ["s"]),
+             h.make_node("ReduceSum", ["m"], ["loss"], keepdims=0)]
+    g = h.make_graph(nodes, "m", [h.make_tensor_value_info("x", T.FLOAT, [2, 3])],
+                     [h.make_tensor_value_info("loss", T.FLOAT, []), h.make_tensor_value_info("s", T.INT64, [1])],
+                     [numpy_helper.from_array(np.array([1, 2, 3], np.float32), "w")])
+    train = onnxgrad.build_gradient(h.make_model(g, opset_imports=[h.make_opsetid("", 18)]))
+    producers = {o: n.op_type for n in train.graph.node for o in n.output}
+    assert producers["axes"] == "Constant" and producers["s"] == "Constant"
+    out = run(train, {"x": np.ones((2, 3), np.float32)})
+    np.testing.assert_allclose(out["w_grad"], [2 / 3] * 3, rtol=1e-6)
+    assert list(out["s"]) == [2]

@@ -19,15 +19,19 @@ FLOAT_TYPES = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto
 # op -> node types its rule may emit that read forward values only and are as large as the operands
 INTRINSIC = {
     "Conv": {"Reshape", "Transpose"},          # the input, laid out as the kernel of the weight-gradient Conv
+    "ConvTranspose": {"Reshape", "Transpose"},  # the input, laid out as the kernel of the weight-gradient Conv
     "Cos": {"Sin"}, "Sin": {"Cos"},
     "Erf": {"Exp", "Mul", "Neg"},              # exp(-x^2)
     "Gather": {"Cast"},                        # one-hot matrix at opsets 13-15
+    "GatherElements": {"ConstantOfShape"},     # zeros to scatter the gradient into
+    "GatherND": {"Cast", "ConstantOfShape"},   # zeros to scatter into; one-hot matrix at opsets 13-15
     "Gelu": {"Add", "Erf", "Exp", "Mul", "Tanh"},
     "GlobalMaxPool": {"Cast"},                 # the mask of maxima
     "GroupNormalization": {"Mul", "Reshape", "Sub"},  # the normalised input
     "InstanceNormalization": {"Mul", "Sub"},
     "LayerNormalization": {"Mul", "Sub"},
     "LogSoftmax": {"Exp"},                     # softmax = exp(log_softmax)
+    "LRN": {"Conv", "Mul", "Pow", "Squeeze", "Unsqueeze"},  # d = bias + alpha/size * window sum of x^2, d^-beta
     "MatMul": {"Flatten", "Transpose"},        # operand layouts; onnxruntime folds them into FusedMatMul
     "Max": {"Cast", "Sum"}, "Min": {"Cast", "Sum"},  # masks of the selected inputs, ties counted
     "MaxPool": {"ConstantOfShape"},            # zeros to scatter the gradient into
@@ -38,6 +42,7 @@ INTRINSIC = {
     "ReduceMax": {"Cast"}, "ReduceMin": {"Cast"}, "ReduceProd": {"Cast", "Where"},
     "SoftmaxCrossEntropyLoss": {"Exp", "Softmax"},
     "Softplus": {"Sigmoid"}, "Softsign": {"Abs", "Add"},
+    "TopK": {"ConstantOfShape"},               # zeros to scatter the gradient into
 }
 
 

@@ -248,3 +248,69 @@ def global_max_pool(ctx):
     ties = op.ReduceSum(op.Cast(is_max, to=ctx.elem_type(y)), op.ints(range(2, rank)), keepdims=1)
     share = op.Div(gy, ties)
     return [op.Where(is_max, share, ctx.const_like(0.0, y))]
+
+
+# -- ConvTranspose ---------------------------------------------------------------------------------------------
+def _transposed_window(ctx, sizes: list[int], kernel: list[int]):
+    """strides, dilations, begin pads and output sizes of a ConvTranspose, resolved as onnxruntime does.
+
+    With output_shape or SAME padding, the total padding is whatever trims the full transposed result
+    s*(in-1) + output_padding + (k-1)*d + 1 to the output size; SAME_UPPER puts the smaller half at the begin,
+    the other forms the larger half.
+    """
+    n = len(sizes)
+    strides = list(ctx.attr("strides", [1] * n))
+    dilations = list(ctx.attr("dilations", [1] * n))
+    extra = list(ctx.attr("output_padding", [0] * n))
+    auto_pad = _text(ctx, "auto_pad", "NOTSET")
+    output_shape = ctx.attr("output_shape")
+    if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
+        raise ctx.unsupported(f"auto_pad={auto_pad}")
+    full = [s * (size - 1) + p + (k - 1) * d + 1 for size, k, s, d, p in zip(sizes, kernel, strides, dilations, extra)]
+    if output_shape is not None or auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        out = list(output_shape)[-n:] if output_shape is not None else [size * s for size, s in zip(sizes, strides)]
+        begin = []
+        for f, o in zip(full, out):
+            total = f - o
+            if total < 0:
+                raise ctx.unsupported(f"the output size {o} exceeds the full transposed size {f} (negative padding)")
+            begin.append(total // 2 if auto_pad == "SAME_UPPER" else total - total // 2)
+    elif auto_pad == "VALID":
+        begin, out = [0] * n, full
+    else:
+        pads = list(ctx.attr("pads", [0] * (2 * n)))
+        begin, out = pads[:n], [f - b - e for f, b, e in zip(full, pads[:n], pads[n:])]
+    return strides, dilations, begin, out
+
+
+@rule("ConvTranspose", since=13, limits="spatial dims of X and W must be static")
+def conv_transpose(ctx):
+    """dx = Conv(dy, w) (same stride, dilation, pads), dw = Conv(dy^T, x^T) (stride and dilation swapped), db"""
+    x, w, gy, op = ctx.I(0), ctx.I(1), ctx.GO(0), ctx.op
+    sizes, kernel = _spatial(ctx, x, "X"), _spatial(ctx, w, "W")
+    group = ctx.attr("group", 1)
+    strides, dilations, begin, out = _transposed_window(ctx, sizes, kernel)
+    y_sizes = ctx.O(0).shape[2:] if ctx.O(0).shape is not None else [None] * len(sizes)
+    if any(isinstance(d, int) and d != o for d, o in zip(y_sizes, out)):
+        raise ctx.unsupported(f"onnxruntime computes spatial output sizes {out}, onnx shape inference "
+                              f"{list(y_sizes)} (output_padding with auto_pad SAME?)")
+    # y[o] gathers x[i] * w[k] for o = i*s + k*d - begin, so dx[i] = sum over k of dy[i*s + k*d - begin] * w[k]:
+    # a Conv of dy. Its end pad makes it stop at the last i; where dy runs past that (output_padding beyond the
+    # end pad), no pad is needed and the Conv's rounding drops the surplus, which is less than one stride.
+    end = [max(s * (size - 1) + (k - 1) * d + 1 - b - o, 0)
+           for size, k, s, d, b, o in zip(sizes, kernel, strides, dilations, begin, out)]
+    reach = [(o + b + e - (k - 1) * d - 1) // s + 1 for o, k, s, d, b, e in zip(out, kernel, strides, dilations,
+                                                                                 begin, end)]
+    if reach != sizes:
+        raise ctx.unsupported(f"output_padding reaches a stride or more past the end pad (output sizes {out})")
+    gx = gw = gb = None
+    if ctx.needs(0):
+        gx = op.Conv(gy, w, strides=strides, dilations=dilations, pads=list(begin) + end, group=group,
+                     kernel_shape=kernel)
+    if ctx.needs(1):
+        # dw[c, m, k] = sum over n, i of x[n, c, i] * dy[n, m, i*s + k*d - begin]: Conv's weight gradient with dy
+        # as the input and x as the output gradient.
+        gw = _conv_weight_grad(ctx, gy, w, x, group, out, sizes, kernel, strides, dilations, begin, end)
+    if ctx.needs(2):
+        gb = op.ReduceSum(gy, op.ints([0, *range(2, len(sizes) + 2)]), keepdims=0)
+    return [gx, gw, gb][:ctx.num_inputs]

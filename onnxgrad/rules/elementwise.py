@@ -60,10 +60,12 @@ def pow_(ctx):
     op = ctx.op
     ga = gb = None
     if ctx.needs(0):
-        exponent = ctx.const_input(1)
-        if exponent is not None and exponent.size == 1 and float(exponent) == 2.0:
+        # a constant exponent of 1 or 2 gets a shorter form; not one that is trained (a parameter is fed anew)
+        exponent = None if ctx.needs(1) else ctx.const_input(1)
+        value = float(exponent.reshape(-1)[0]) if exponent is not None and exponent.size == 1 else None
+        if value == 2.0:
             ga = op.Mul(op.Mul(gy, a), ctx.const_like(2.0, a))
-        elif exponent is not None and exponent.size == 1 and float(exponent) == 1.0:
+        elif value == 1.0:
             ga = gy
         else:
             b_as_a = b if b.elem_type == a.elem_type else op.Cast(b, to=ctx.elem_type(a))

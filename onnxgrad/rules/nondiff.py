@@ -11,3 +11,4 @@ non_differentiable("RandomNormal", "RandomUniform", "RandomNormalLike", "RandomU
                    "Multinomial", why="produces random numbers")
 non_differentiable("BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "Mod",
                    why="integer arithmetic")
+non_differentiable("NonMaxSuppression", "Hardmax", why="produces indices or a piecewise-constant value")

@@ -119,13 +119,16 @@ def layer_normalization(ctx):
     return [gx, gs, gb][:ctx.num_inputs]
 
 
-@rule("BatchNormalization", since=13, wrt=(0, 1, 2), limits="inference form only (training_mode=0)")
+@rule("BatchNormalization", since=13, wrt=(0, 1, 2),
+      limits="training form at opset 14+ (training_mode=1; running statistics carry no gradient)")
 def batch_normalization(ctx):
     """dx = dy * scale * r, dscale = sum(dy * (x - mean)) * r, db = sum(dy), r = 1/sqrt(var + eps)"""
     op = ctx.op
-    if ctx.attr("training_mode", 0) or any(o.name for o in ctx.node.outputs[1:]):
-        raise ctx.unsupported("training mode (batch statistics) is not supported; export the model in eval "
-                              "mode (training_mode=0, one output)")
+    if ctx.attr("training_mode", 0):
+        return _batch_normalization_training(ctx)
+    if any(o.name for o in ctx.node.outputs[1:]):
+        raise ctx.unsupported("the opset 9-13 training form (statistics outputs, no training_mode attribute) is "
+                              "not supported; export at opset 14+ (training_mode=1) or in eval mode")
     x, scale, bias, gy = ctx.I(0), ctx.I(1), ctx.I(2), ctx.GO(0)
     rank = ctx.rank(x)
     x_type, scale_type = ctx.elem_type(x), ctx.elem_type(scale)
@@ -142,6 +145,30 @@ def batch_normalization(ctx):
         gs = _cast(ctx, op.Mul(op.Sub(weighted, op.Mul(total, mean)), r), x_type, scale_type)
     if ctx.needs(2):
         gb = _cast(ctx, op.ReduceSum(gy, axes, keepdims=0), x_type, ctx.elem_type(bias))
+    return [gx, gs, gb, None, None]
+
+
+def _batch_normalization_training(ctx):
+    """batch statistics over (N, D1, ...): dx = r*(g - mean(g) - xhat*mean(g*xhat)), g = dy*scale,
+    dscale = sum(dy*xhat), db = sum(dy); running_mean and running_var are not differentiated"""
+    if ctx.GO(1) is not None or ctx.GO(2) is not None:
+        raise ctx.unsupported("the loss depends on the running_mean or running_var output; running statistics "
+                              "carry no gradient (use Y)")
+    op = ctx.op
+    x, scale, bias, gy = ctx.I(0), ctx.I(1), ctx.I(2), ctx.GO(0)
+    rank = ctx.rank(x)
+    x_type, scale_type = ctx.elem_type(x), ctx.elem_type(scale)
+    axes = [0, *range(2, rank)]
+    mean, r = _statistics(ctx, x, axes, ctx.attr("epsilon", 1e-5), x_type)  # the batch's, shaped (1, C, 1, ...)
+    gx = gs = gb = None
+    if ctx.needs(0):
+        g = op.Mul(gy, _channel_view(ctx, _cast(ctx, scale, scale_type, x_type), rank))
+        gx = _normalized_grad(ctx, x, g, mean, r, axes)
+    if ctx.needs(1):
+        gs = _cast(ctx, op.ReduceSum(_xhat_times(ctx, gy, x, mean, r), op.ints(axes), keepdims=0), x_type,
+                   scale_type)
+    if ctx.needs(2):
+        gb = _cast(ctx, op.ReduceSum(gy, op.ints(axes), keepdims=0), x_type, ctx.elem_type(bias))
     return [gx, gs, gb, None, None]
 
 
@@ -191,7 +218,7 @@ def group_normalization(ctx):
     return [gx, gs, gb]
 
 
-@rule("Dropout", since=13, wrt=(0,), limits="training mode needs the mask output")
+@rule("Dropout", since=13, wrt=(0,), limits="training mode uses the mask output (added when absent)")
 def dropout(ctx):
     """dx = dy (inference); dx = dy * mask / (1 - ratio) (training, from the forward's mask output)"""
     op, x, gy = ctx.op, ctx.I(0), ctx.GO(0)
@@ -214,3 +241,56 @@ def dropout(ctx):
     if known is None:  # training_mode decided at run time: no scaling when it is false
         keep = op.Where(training, keep, ctx.const_like(1.0, x))
     return [op.Div(kept, keep), *rest]
+
+
+def _reduce(ctx, op_type: str, v, axes):
+    """A Reduce* over axes, kept; axes moved from attribute to input at opset 18."""
+    if ctx.opset >= 18:
+        return ctx.op.node(op_type, [v, ctx.op.ints(axes)], keepdims=1)
+    return ctx.op.node(op_type, [v], axes=list(axes), keepdims=1)
+
+
+@rule("LpNormalization", since=13)
+def lp_normalization(ctx):
+    """y = x / n, n = |x|_p: p=2: dx = (dy - y*sum(dy*y)) / n; p=1: dx = (dy - sign(x)*sum(dy*y)) / n"""
+    x, y, gy, op = ctx.I(0), ctx.O(0), ctx.GO(0), ctx.op
+    axes = [ctx.normalize_axis(ctx.attr("axis", -1), ctx.rank(x))]
+    p = ctx.attr("p", 2)
+    if p not in (1, 2):
+        raise ctx.unsupported(f"p={p} (the op defines p=1 and p=2)")
+    along = op.ReduceSum(op.Mul(gy, y), op.ints(axes), keepdims=1)
+    if p == 2:
+        norm = op.Sqrt(_reduce(ctx, "ReduceSumSquare", x, axes))
+        radial = op.Mul(y, along)
+    else:
+        norm = _reduce(ctx, "ReduceL1", x, axes)
+        radial = op.Where(op.Less(x, ctx.const_like(0.0, x)), op.Neg(along), along)  # sign(x) * along
+    return [op.Div(op.Sub(gy, radial), norm)]
+
+
+@rule("LRN", since=13, limits="odd size (as onnxruntime)")
+def lrn(ctx):
+    """y = x * d^-beta, d = bias + alpha/size * sum of x^2 over the channel window:
+    dx = dy * d^-beta - 2*alpha*beta/size * x * (the transposed window sum of dy * y / d)"""
+    x, y, gy, op = ctx.I(0), ctx.O(0), ctx.GO(0), ctx.op
+    size, alpha = ctx.attr("size"), ctx.attr("alpha", 1e-4)
+    beta, bias = ctx.attr("beta", 0.75), ctx.attr("bias", 1.0)
+    if size % 2 == 0:
+        raise ctx.unsupported(f"size={size}: onnxruntime runs LRN with odd sizes only")
+    spatial = ctx.rank(x) - 2
+    below = (size - 1) // 2        # channels c - below .. c + above form c's window
+    above = size - 1 - below
+
+    def window_sum(v, before, after, scale, offset=None):
+        """scale * (sum of v over channels c - before .. c + after) + offset: a Conv along the channel axis."""
+        kernel = ctx.const_like(np.full([1, 1, size] + [1] * spatial, scale), x)
+        shift = None if offset is None else ctx.const_like([offset], x)
+        summed = op.Conv(op.Unsqueeze(v, op.ints([1])), kernel, shift,
+                         pads=[before] + [0] * spatial + [after] + [0] * spatial)
+        return op.Squeeze(summed, op.ints([1]))
+
+    # d and d^-beta are functions of x alone (forward-only, as large as x), like cos(x) for Sin.
+    d = window_sum(op.Mul(x, x), below, above, alpha / size, bias)
+    direct = op.Mul(gy, op.Pow(d, ctx.const_like(-beta, x)))
+    spread = window_sum(op.Div(op.Mul(gy, y), d), above, below, 2 * alpha * beta / size)
+    return [op.Sub(direct, op.Mul(x, spread))]
