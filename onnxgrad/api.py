@@ -18,7 +18,7 @@ from .builder import Builder, Names
 from .errors import InternalError, UsageError
 from .fold import fold_small_constants
 from .gradient import differentiate, reaching
-from .ir import Graph, Value, from_model
+from .ir import Graph, Value, from_model, set_metadata
 
 # Settings a runner should apply for the emitted node order to be the schedule (see README, "Running").
 RUNTIME_HINTS = {
@@ -129,7 +129,7 @@ def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims,
     out = graph.to_model(weights_apart=True)
     out.ir_version = helper.find_min_ir_version_for(list(out.opset_import), ignore_unknown=True)
     out.producer_name, out.producer_version = "onnxgrad", _version()
-    _set_metadata(out, {**RUNTIME_HINTS, "onnxgrad.loss": ",".join(h.name for h in heads)})
+    set_metadata(out, {**RUNTIME_HINTS, "onnxgrad.loss": ",".join(h.name for h in heads)})
     if optimizer is not None:
         out = optim.append_optimizer(out, optimizer, parameters=[x.name for x in xs], weights=graph.initializers,
                                      **optimizer_options)
@@ -283,15 +283,6 @@ def _find_value(graph: Graph, name: str, flag: str) -> Value:
     if v is None:
         raise UsageError(f"{flag} {name}: no value of that name in the model")
     return v
-
-
-def _set_metadata(model: onnx.ModelProto, entries: dict[str, str]) -> None:
-    existing = {p.key: p for p in model.metadata_props}
-    for k, v in entries.items():
-        if k in existing:
-            existing[k].value = v
-        else:
-            model.metadata_props.add(key=k, value=v)
 
 
 def _version() -> str:

@@ -276,5 +276,15 @@ def attach_implicit_inputs(graph: Graph, node: Node) -> None:
     node.set_implicit_inputs(graph.values[name] for name in dict.fromkeys(refs) if name in graph.values)
 
 
+def set_metadata(model: onnx.ModelProto, entries: dict[str, str]) -> None:
+    """Set metadata_props entries, replacing the value of a key that exists."""
+    existing = {p.key: p for p in model.metadata_props}
+    for k, v in entries.items():
+        if k in existing:
+            existing[k].value = v
+        else:
+            model.metadata_props.add(key=k, value=v)
+
+
 def tensor_value(t: onnx.TensorProto) -> np.ndarray:
     return numpy_helper.to_array(t)

@@ -15,7 +15,7 @@ from onnx import TensorProto, shape_inference
 
 from .builder import Builder, Names
 from .errors import UsageError
-from .ir import Graph, Value, from_model
+from .ir import Graph, Value, from_model, set_metadata
 
 LOSSES = ("mse", "l1", "cross-entropy", "bce-with-logits")
 REDUCTIONS = ("mean", "sum")
@@ -55,7 +55,7 @@ def append_loss(model: onnx.ModelProto, kind: str, output: str, target_input: st
     record = {"kind": kind, "output": output, "target_input": target_input, "loss_output": loss_output,
               "reduction": reduction, "class_weights": None if class_weights is None else list(class_weights),
               "ignore_index": ignore_index}
-    _put_metadata(out, METADATA_KEY, json.dumps(record))
+    set_metadata(out, {METADATA_KEY: json.dumps(record)})
     return out
 
 
@@ -176,10 +176,3 @@ def _add_input(graph: Graph, name: str, elem_type: int, shape) -> Value:
     graph.inputs.append(v)
     return v
 
-
-def _put_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
-    for p in model.metadata_props:
-        if p.key == key:
-            p.value = value
-            return
-    model.metadata_props.add(key=key, value=value)

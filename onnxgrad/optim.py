@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .builder import Builder, Names
 from .errors import UsageError
-from .ir import Graph, Value, from_model
+from .ir import Graph, Value, from_model, set_metadata
 from .weights import should_stub, stub_of
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -161,8 +161,8 @@ def append_optimizer(train: onnx.ModelProto, kind: str, *, parameters: list[str]
 
     out = graph.to_model()
     settings["parameters"] = [p.name for p, _ in params]
-    _put_metadata(out, OPTIMIZER_KEY, json.dumps(settings))
-    _put_metadata(out, STATE_KEY, json.dumps(state))
+    set_metadata(out, {OPTIMIZER_KEY: json.dumps(settings)})
+    set_metadata(out, {STATE_KEY: json.dumps(state)})
     return out
 
 
@@ -333,10 +333,3 @@ def _add_state(graph: Graph, name: str, initial: np.ndarray, weights: dict | Non
     graph.inputs.append(v)
     return v
 
-
-def _put_metadata(model: onnx.ModelProto, key: str, value: str) -> None:
-    for p in model.metadata_props:
-        if p.key == key:
-            p.value = value
-            return
-    model.metadata_props.add(key=key, value=value)
