@@ -10,7 +10,7 @@ Three models, each written here with onnx.helper and mirrored op for op in PyTor
        final LayerNorm, LM head, cross-entropy; vocab 512, width 128, context 64, batch 8
 One step = forward, backward and a plain SGD update (`p -= lr * grad`) on one fixed batch:
   ours   the step graph (`onnxgrad.build_gradient` plus an SGD update, parameters kept in OrtValues and bound
-         with IOBinding by onnxgrad.trainer.Trainer), CPU provider, the graph's session settings
+         with IOBinding by onnxgrad.runner.StepGraphTrainer), CPU provider, the graph's session settings
   torch  eager `loss.backward()` and `torch.optim.SGD.step()` (zero_grad(set_to_none=True) first)
   ort-training  onnxruntime-training's `generate_artifacts(..., optimizer=OptimType.SGD)`, then
          `Module(...)(inputs)`, `Optimizer.step()`, `Module.lazy_reset_grad()`; it runs in its own interpreter
@@ -250,7 +250,7 @@ def step_graph(model, lr):
 
 
 def our_trainer(step, threads, configure=None, profile_prefix=None):
-    from onnxgrad.trainer import Trainer
+    from onnxgrad.runner import StepGraphTrainer as Trainer
     return Trainer(step, provider="cpu", threads=threads, configure=configure, profile_prefix=profile_prefix)
 
 

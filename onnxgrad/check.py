@@ -21,7 +21,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from .errors import InvalidModelError, UsageError
-from .train import random_feeds
+from .runner import random_feeds
 
 GRAD_SUFFIX = "_grad"
 LOSS_KEY = "onnxgrad.loss"

@@ -226,10 +226,10 @@ def run_cmd(train_model, steps, lr, data, dim, seed, provider, report):
     """Run training steps of a graph written by build-grad in onnxruntime: each step runs forward and
     backward, prints the loss and the gradient norms, and applies param -= lr * grad."""
     from .loader import parse_dim_bindings, read_model
-    from .train import run_steps
+    from .runner import run_training_graph
 
     model = read_model(train_model)
-    history = run_steps(model, steps=steps, lr=lr, data=data, dims=parse_dim_bindings(list(dim)), seed=seed,
+    history = run_training_graph(model, steps=steps, lr=lr, data=data, dims=parse_dim_bindings(list(dim)), seed=seed,
                         provider=provider)
     for k, step in enumerate(history):
         click.echo(f"step {k + 1}: loss {step['loss']:.6g}")
@@ -279,7 +279,7 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
               checkpoint, checkpoint_every, resume, export, forward, report, log_every, quiet_train, force):
     """Train with a step graph (written by build-grad --optimizer) in onnxruntime: parameters and optimizer
     state stay on the device between steps; progress (loss, samples/s) goes to stderr, a summary to stdout."""
-    from .trainer import Trainer
+    from .runner import StepGraphTrainer
 
     if checkpoint_every and not checkpoint:
         raise UsageError("--checkpoint-every needs --checkpoint PATH")
@@ -291,7 +291,7 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
     outputs = {flag: check_output_path(path, inputs, force) for flag, path in (("export", export), ("report", report))
                if path}
     checkpoint_path = check_output_path(checkpoint, inputs, True) if checkpoint else None
-    trainer = Trainer(step_model, provider=provider, threads=threads, lr=lr)
+    trainer = StepGraphTrainer(step_model, provider=provider, threads=threads, lr=lr)
     if resume:
         trainer.load_checkpoint(resume)
     quiet = quiet_train or not log.isEnabledFor(logging.INFO)

@@ -1,5 +1,6 @@
-"""`onnxgrad train` and onnxgrad.trainer: loss falls on the shipped models, state stays in OrtValues bound with
-IOBinding, batches follow the seed, a resumed run equals a straight one, export gives a runnable model."""
+"""`onnxgrad train` and onnxgrad.runner.StepGraphTrainer: loss falls on the shipped models, state stays in
+OrtValues bound with IOBinding, batches follow the seed, a resumed run equals a straight one, export gives a
+runnable model."""
 import json
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from onnx import numpy_helper
 import onnxgrad
 from onnxgrad.cli import main
 from onnxgrad.errors import UsageError
-from onnxgrad.trainer import Batches, Trainer, read_step_graph
+from onnxgrad.runner import Batches, StepGraphTrainer, read_step_graph
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -51,14 +52,14 @@ def files(tmp_path, steps):
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "mlp-adam"])
 def test_loss_falls_on_shipped_models(steps, name):
-    trainer = Trainer(steps[name], provider="cpu", threads=1)
+    trainer = StepGraphTrainer(steps[name], provider="cpu", threads=1)
     result = trainer.fit(learnable_data(name.split("-")[0]), epochs=8, batch=16)
     assert len(result.losses) == 32 and result.steps == 32 and result.epochs == 8
     assert np.mean(result.losses[-4:]) < 0.9 * np.mean(result.losses[:4])
 
 
 def test_state_is_held_in_ortvalues_and_bound_with_iobinding(steps, monkeypatch):
-    trainer = Trainer(steps["mlp-adam"], provider="cpu", threads=1)
+    trainer = StepGraphTrainer(steps["mlp-adam"], provider="cpu", threads=1)
     graph = trainer.graph
     assert graph.parameters == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     assert set(graph.state) == set(graph.parameters) | {"step"} | {f"{p}.{k}" for p in graph.parameters
@@ -89,11 +90,11 @@ def test_state_is_held_in_ortvalues_and_bound_with_iobinding(steps, monkeypatch)
 
 
 def test_lr_override_feeds_the_lr_input(steps):
-    still = Trainer(steps["mlp"], provider="cpu", threads=1, lr=0.0)
+    still = StepGraphTrainer(steps["mlp"], provider="cpu", threads=1, lr=0.0)
     before = still.parameters()
     still.fit(learnable_data("mlp"), steps=3, batch=8)
     assert all(np.array_equal(before[k], v) for k, v in still.parameters().items())
-    moving = Trainer(steps["mlp"], provider="cpu", threads=1)
+    moving = StepGraphTrainer(steps["mlp"], provider="cpu", threads=1)
     assert moving.lr == pytest.approx(0.1)
     moving.fit(learnable_data("mlp"), steps=3, batch=8)
     assert not np.array_equal(before["fc1.weight"], moving.parameters()["fc1.weight"])
@@ -124,13 +125,13 @@ def test_last_partial_batch_dropped_or_kept():
 
 def test_resume_continues_exactly_like_a_straight_run(steps, tmp_path):
     data = learnable_data("mlp", rows=24)   # batch 8: 3 steps an epoch, so the run crosses two epoch starts
-    straight = Trainer(steps["mlp-adam"], provider="cpu", threads=1)
+    straight = StepGraphTrainer(steps["mlp-adam"], provider="cpu", threads=1)
     full = straight.fit(data, steps=10, batch=8, seed=3)
 
-    first = Trainer(steps["mlp-adam"], provider="cpu", threads=1)
+    first = StepGraphTrainer(steps["mlp-adam"], provider="cpu", threads=1)
     ck = tmp_path / "ck.npz"
     part = first.fit(data, steps=5, batch=8, seed=3, checkpoint=ck)
-    second = Trainer(steps["mlp-adam"], provider="cpu", threads=1)
+    second = StepGraphTrainer(steps["mlp-adam"], provider="cpu", threads=1)
     record = second.load_checkpoint(ck)
     assert record["step"] == 5 and record["epoch"] == 1 and record["batch_in_epoch"] == 2
     rest = second.fit(data, steps=10, batch=8, seed=3)
@@ -138,7 +139,7 @@ def test_resume_continues_exactly_like_a_straight_run(steps, tmp_path):
     assert rest.first_step == 6 and part.losses + rest.losses == full.losses
     end_straight, end_resumed = straight.state_dict(), second.state_dict()
     assert all(np.array_equal(end_straight[k], end_resumed[k]) for k in end_straight)
-    other = Trainer(steps["mlp-adam"], provider="cpu", threads=1)
+    other = StepGraphTrainer(steps["mlp-adam"], provider="cpu", threads=1)
     other.load_checkpoint(ck)
     with pytest.raises(UsageError, match="made with batch 8, this run has 4"):
         other.fit(data, steps=10, batch=4, seed=3)
@@ -146,8 +147,8 @@ def test_resume_continues_exactly_like_a_straight_run(steps, tmp_path):
 
 def test_interrupt_saves_a_checkpoint_that_resumes_with_its_lr(steps, tmp_path):
     data, ck = learnable_data("mlp", rows=24), tmp_path / "ck.npz"
-    straight = Trainer(steps["mlp"], provider="cpu", threads=1, lr=0.05).fit(data, steps=6, batch=8)
-    first = Trainer(steps["mlp"], provider="cpu", threads=1, lr=0.05)
+    straight = StepGraphTrainer(steps["mlp"], provider="cpu", threads=1, lr=0.05).fit(data, steps=6, batch=8)
+    first = StepGraphTrainer(steps["mlp"], provider="cpu", threads=1, lr=0.05)
     real_step = first.step
 
     def step_then_ctrl_c(feeds):
@@ -158,10 +159,10 @@ def test_interrupt_saves_a_checkpoint_that_resumes_with_its_lr(steps, tmp_path):
     first.step = step_then_ctrl_c
     with pytest.raises(KeyboardInterrupt):
         first.fit(data, steps=6, batch=8, checkpoint=ck)
-    second = Trainer(steps["mlp"], provider="cpu", threads=1)      # no lr given: the checkpoint's 0.05
+    second = StepGraphTrainer(steps["mlp"], provider="cpu", threads=1)      # no lr given: the checkpoint's 0.05
     assert second.load_checkpoint(ck)["step"] == 4 and second.lr == pytest.approx(0.05)
     assert second.fit(data, steps=6, batch=8).losses == straight.losses[4:]
-    chosen = Trainer(steps["mlp"], provider="cpu", threads=1, lr=0.2)
+    chosen = StepGraphTrainer(steps["mlp"], provider="cpu", threads=1, lr=0.2)
     chosen.load_checkpoint(ck)
     assert chosen.lr == pytest.approx(0.2)
 
@@ -169,7 +170,7 @@ def test_interrupt_saves_a_checkpoint_that_resumes_with_its_lr(steps, tmp_path):
 def test_checkpoint_every_n_steps(steps, tmp_path):
     ck = tmp_path / "ck.npz"
     saved = []
-    trainer = Trainer(steps["mlp"], provider="cpu", threads=1)
+    trainer = StepGraphTrainer(steps["mlp"], provider="cpu", threads=1)
     real = trainer.save_checkpoint
     trainer.save_checkpoint = lambda path, batches=None: saved.append(trainer.steps_done) or real(path, batches)
     trainer.fit(learnable_data("mlp"), steps=7, batch=8, checkpoint=ck, checkpoint_every=3)
@@ -180,7 +181,7 @@ def test_checkpoint_every_n_steps(steps, tmp_path):
 
 
 def test_export_runs_with_trained_weights(steps):
-    trainer = Trainer(steps["transformer"], provider="cpu", threads=1)
+    trainer = StepGraphTrainer(steps["transformer"], provider="cpu", threads=1)
     trainer.fit(learnable_data("transformer"), steps=3, batch=8)
     stripped = trainer.export()
     substituted = trainer.export(forward=MODELS / "transformer.onnx")
@@ -207,7 +208,7 @@ def test_export_drops_a_loss_that_build_grad_appended(tmp_path):
     forward.graph.node.pop()
     forward.graph.input.pop()
     step = onnxgrad.build_gradient(forward, loss_fn="cross-entropy", optimizer="sgd", optimizer_options={"lr": 0.1})
-    trainer = Trainer(step, provider="cpu", threads=1)
+    trainer = StepGraphTrainer(step, provider="cpu", threads=1)
     data = learnable_data("mlp")
     trainer.fit({"x": data["x"], "target": data["labels"]}, steps=2, batch=8)
     model = trainer.export()
@@ -276,7 +277,7 @@ def test_cuda_request_that_falls_back_to_cpu_is_an_error(steps, monkeypatch):
     monkeypatch.setattr("onnxgrad.runtime.providers", lambda name: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     monkeypatch.setattr(ort.InferenceSession, "get_providers", lambda self: ["CPUExecutionProvider"])
     with pytest.raises(UsageError, match="--provider cuda: onnxruntime could not start its CUDA provider"):
-        Trainer(steps["mlp"], provider="cuda")
+        StepGraphTrainer(steps["mlp"], provider="cuda")
 
 
 def test_step_graph_contract_is_read_from_metadata(steps):

@@ -1,14 +1,18 @@
-"""Training in onnxruntime: a step graph run step after step, its parameters and optimizer state kept on the
-device between steps.
+"""The two training loops of onnxgrad, one per kind of graph build-grad writes.
 
-A step graph (written by `build-grad --optimizer`) does one whole training step: forward, backward and the
-optimizer's update. Its metadata `onnxgrad.state` maps each state input (parameters, optimizer state, `step`)
-to the output that replaces it after a step; `onnxgrad.loss` names the loss output; an optional float scalar
-input `lr` carries the learning rate. Every other graph input is data, fed from `.npz` arrays batch by batch.
+`run_training_graph` (`onnxgrad run`): a *training graph* (forward and backward, `<p>_grad` outputs) run step by
+step with plain SGD applied on the host, `p -= lr * <p>_grad`; for trying a training graph out.
 
-State lives in two OrtValues per state input on the session's device. Two IOBindings are made once: the first
-reads buffer 0 and writes buffer 1, the second the other way round, and the trainer alternates between them;
-so a step binds only its data batch, and nothing but the loss scalar crosses to the host.
+`StepGraphTrainer` (`onnxgrad train`): a *step graph* (written by `build-grad --optimizer`) does one whole
+training step: forward, backward and the optimizer's update. Its metadata `onnxgrad.state` maps each state input
+(parameters, optimizer state, `step`) to the output that replaces it after a step; `onnxgrad.loss` names the
+loss output; an optional float scalar input `lr` carries the learning rate. Every other graph input is data,
+fed from `.npz` arrays batch by batch.
+
+The step-graph trainer keeps its state in two OrtValues per state input on the session's device. Two IOBindings
+are made once: the first reads buffer 0 and writes buffer 1, the second the other way round, and the trainer
+alternates between them; so a step binds only its data batch, and nothing but the loss scalar crosses to the
+host.
 """
 from __future__ import annotations
 
@@ -27,21 +31,92 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from . import runtime
+from .contract import CHECKPOINT_KEY, GRAD_SUFFIX, LOSS_FN_KEY, LOSS_KEY, LR_INPUT, STATE_KEY, TRAINING_METADATA
 from .errors import InvalidModelError, UsageError
 from .io import atomic_write_bytes, save_model
 from .loader import read_model
 
-STATE_KEY = "onnxgrad.state"
-LOSS_KEY = "onnxgrad.loss"
-LR_INPUT = "lr"
-CHECKPOINT_KEY = "onnxgrad.checkpoint"
 CHECKPOINT_FORMAT = 1
 STATE_PREFIX = "state/"
-# Metadata that only means something to a runner of the step graph; an exported forward model drops it.
-TRAINING_METADATA = ("onnxgrad.state", "onnxgrad.optimizer", "onnxgrad.loss", "onnxgrad.loss_fn",
-                     "onnxgrad.execution_order", "onnxgrad.disabled_optimizers")
-LOSS_FN_KEY = "onnxgrad.loss_fn"
 
+
+# -- a training graph with plain SGD (`onnxgrad run`) --------------------------------------------------------
+
+def training_graph_parameters(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Initializers that have a `<name>_grad` output: the trainable parameters, in initializer order."""
+    outs = {o.name for o in model.graph.output}
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name + GRAD_SUFFIX in outs}
+
+
+def random_feeds(model: onnx.ModelProto, dims: dict[str, int], seed: int, skip: set[str]) -> dict[str, np.ndarray]:
+    """Seeded data for every graph input that is not a parameter; integer inputs get valid class labels."""
+    rng = np.random.default_rng(seed)
+    classes = _class_counts(model)
+    feeds = {}
+    for vi in model.graph.input:
+        if vi.name in skip:
+            continue
+        t = vi.type.tensor_type
+        shape = []
+        for d in t.shape.dim:
+            if d.HasField("dim_value"):
+                shape.append(d.dim_value)
+            else:
+                shape.append(dims.get(d.dim_param, 4))
+        dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
+        if np.issubdtype(dtype, np.floating):
+            feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
+        elif np.issubdtype(dtype, np.integer):
+            feeds[vi.name] = rng.integers(0, classes.get(vi.name, 2), size=shape).astype(dtype)
+        elif dtype == np.bool_:
+            feeds[vi.name] = rng.integers(0, 2, size=shape).astype(bool)
+        else:
+            raise UsageError(f"input {vi.name!r}: cannot make random data of type {dtype}; pass --data")
+    return feeds
+
+
+def _class_counts(model: onnx.ModelProto) -> dict[str, int]:
+    """Labels read by a cross-entropy node take values below its class dimension, when that is known."""
+    shapes = {vi.name: vi.type.tensor_type.shape.dim
+              for vi in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)}
+    counts = {}
+    for n in model.graph.node:
+        if n.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss") and len(n.input) > 1:
+            dims = shapes.get(n.input[0])
+            if dims is not None and len(dims) > 1 and dims[1].HasField("dim_value"):
+                counts[n.input[1]] = dims[1].dim_value
+    return counts
+
+
+def run_training_graph(model: onnx.ModelProto, steps: int = 1, lr: float = 0.1, data: str | None = None,
+                       dims: dict[str, int] | None = None, seed: int = 0, provider: str = "auto") -> list[dict]:
+    """`steps` runs of a training graph on fixed data (`data` arrays over seeded random ones), each followed by
+    `p -= lr * <p>_grad` on the host; per step, the loss and the L2 norm of every gradient."""
+    params = training_graph_parameters(model)
+    if not params:
+        raise UsageError("the model has no <param>_grad outputs: is it a graph written by onnxgrad build-grad?")
+    inferred = onnx.shape_inference.infer_shapes(model)
+    feeds = random_feeds(inferred, dims or {}, seed, skip=set(params))
+    if data:
+        with np.load(data) as arrays:
+            unknown = sorted(set(arrays.files) - set(feeds))
+            if unknown:
+                raise UsageError(f"--data {data}: {unknown[0]!r} is not a data input of the model")
+            feeds.update({k: arrays[k] for k in arrays.files})
+    sess = runtime.session(model, provider)
+    outputs = [o.name for o in sess.get_outputs()]
+    loss_name = outputs[0]
+    history = []
+    for _ in range(steps):
+        result = dict(zip(outputs, sess.run(None, {**feeds, **params})))
+        grads = {p: result[p + GRAD_SUFFIX] for p in params}
+        history.append({"loss": float(np.asarray(result[loss_name]).reshape(-1)[0]),
+                        "grad_norms": {p + GRAD_SUFFIX: float(np.linalg.norm(g)) for p, g in grads.items()}})
+        params = {p: np.asarray(v - lr * grads[p], dtype=v.dtype) for p, v in params.items()}
+    return history
+
+
+# -- a step graph, its state kept on the device (`onnxgrad train`) ------------------------------------------
 
 @dataclass
 class StepGraph:
@@ -171,7 +246,7 @@ class Batches:
 
 @dataclass
 class TrainResult:
-    """What `Trainer.fit` did: the step numbers and losses of the steps it ran, and their timing."""
+    """What `StepGraphTrainer.fit` did: the step numbers and losses of the steps it ran, and their timing."""
 
     first_step: int                       # 1-based number of the first step run by this call
     losses: list[float] = field(default_factory=list)
@@ -195,10 +270,10 @@ class TrainResult:
                 "samples_per_second": round(self.samples_per_second, 3)}
 
 
-class Trainer:
+class StepGraphTrainer:
     """Runs a step graph in onnxruntime, keeping its state on the device between steps.
 
-        trainer = Trainer("step.onnx")                      # CUDA where onnxruntime can use it, else CPU
+        trainer = StepGraphTrainer("step.onnx")                      # CUDA where onnxruntime can use it, else CPU
         result = trainer.fit("data.npz", steps=100, batch=32)
         trainer.export("trained.onnx")                      # the forward model with the trained weights
     """
