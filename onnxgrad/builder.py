@@ -7,8 +7,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .contract import FORWARD
 from .errors import UnsupportedError
 from .ir import Graph, Node, Value
+from .shapes import infer
 
 
 class Names:
@@ -41,13 +43,15 @@ class Builder:
     """`op.Mul(a, b)` appends a Mul node to the graph and returns its output Value.
 
     `outputs=n` returns a tuple of n Values; other keywords become attributes.
-    New nodes are named `<prefix>/<OpType>`, made unique by the name authority.
+    New nodes are named `<prefix>/<OpType>`, made unique by the name authority, belong to `phase`, and get
+    their output types where `shapes.infer` knows the op.
     """
 
-    def __init__(self, graph: Graph, names: Names, prefix: str = ""):
+    def __init__(self, graph: Graph, names: Names, prefix: str = "", phase: str = FORWARD):
         self.graph = graph
         self.names = names
         self.prefix = prefix
+        self.phase = phase
         self.emitted: list[Node] = []
 
     def __getattr__(self, op_type: str):
@@ -63,7 +67,8 @@ class Builder:
         name = self.names.fresh(base)
         outs = [Value(name if outputs == 1 else self.names.fresh(f"{name}:{i}")) for i in range(outputs)]
         attributes = [helper.make_attribute(k, v) for k, v in sorted(attrs.items()) if v is not None]
-        node = Node(op_type, inputs, outs, name, attributes)
+        node = Node(op_type, inputs, outs, name, attributes, phase=self.phase)
+        infer(node, self.graph.opset)
         self.graph.add_node(node)
         self.emitted.append(node)
         return outs[0] if outputs == 1 else tuple(outs)

@@ -16,6 +16,7 @@ import onnx.defs
 
 from . import registry
 from .builder import Builder, GradContext, Names
+from .contract import BACKWARD
 from .errors import InternalError, UnsupportedError
 from .ir import Graph, Node, Value, names_defined_in
 
@@ -68,14 +69,15 @@ def reachable_from(graph: Graph, sources: list[Value]) -> set[int]:
     return active
 
 
-def reaching(graph: Graph, heads: list[Value]) -> set[int]:
-    """ids of the values that some head depends on through differentiable edges."""
-    live = {id(v) for v in heads}
+def reaching_heads(graph: Graph, heads: list[Value]) -> set[int]:
+    """ids of the values that some head depends on through differentiable edges (the values that reach the
+    loss)."""
+    reaches_loss = {id(v) for v in heads}
     for node in reversed(graph.nodes):
-        if any(id(o) in live for o in node.outputs if _float_out(o)):
-            live.update(id(v) for i, v in enumerate(node.all_inputs)
-                        if v is not None and differentiable_edge(node, i, graph.opset))
-    return live
+        if any(id(o) in reaches_loss for o in node.outputs if _float_out(o)):
+            reaches_loss.update(id(v) for i, v in enumerate(node.all_inputs)
+                                if v is not None and differentiable_edge(node, i, graph.opset))
+    return reaches_loss
 
 
 def _path_from(heads: list[Value], target: Node, on_path: set[int]) -> str:
@@ -102,16 +104,19 @@ def _path_from(heads: list[Value], target: Node, on_path: set[int]) -> str:
 
 
 def differentiate(graph: Graph, heads: list[Value], head_grads: list[Value], wrt: list[Value],
-                  names: Names, live: set[int] | None = None) -> GradientResult:
+                  names: Names, reaches_loss: set[int] | None = None) -> GradientResult:
     """Append the backward graph of `heads` (seeded with `head_grads`) with respect to `wrt`.
 
-    `live` is `reaching(graph, heads)` where the caller has it already."""
+    `reaches_loss` is `reaching_heads(graph, heads)` where the caller has it already. New nodes are in the
+    backward phase; a gradient has the type and shape of its value, so each one is typed as it is summed."""
     opset = graph.opset
     for node in graph.nodes:  # a new value must not take a name that a subgraph defines (no shadowing)
         for sub in node.subgraphs():
             for name in names_defined_in(sub):
                 names.reserve(name)
-    on_path = reachable_from(graph, wrt) & (live if live is not None else reaching(graph, heads))
+    if reaches_loss is None:
+        reaches_loss = reaching_heads(graph, heads)
+    on_path = reachable_from(graph, wrt) & reaches_loss
     contributions: dict[int, list[Value]] = {}
     for h, hg in zip(heads, head_grads):
         contributions.setdefault(id(h), []).append(hg)
@@ -122,7 +127,10 @@ def differentiate(graph: Graph, heads: list[Value], head_grads: list[Value], wrt
             return None
         if len(parts) > 1:
             parts[:] = [op.Sum(*parts)]
-        return parts[0]
+        g = parts[0]
+        if g.shape is None and g.producer is not None and g.producer.phase == BACKWARD:
+            g.elem_type, g.shape = g.elem_type or v.elem_type, v.shape
+        return g
 
     added = 0
     used: dict[str, int] = {}
@@ -133,7 +141,7 @@ def differentiate(graph: Graph, heads: list[Value], head_grads: list[Value], wrt
                   for i, v in enumerate(node.all_inputs)]
         if not any(needed):
             continue
-        op = Builder(graph, names, prefix=f"{node.name or node.op_type}_grad")
+        op = Builder(graph, names, prefix=f"{node.name or node.op_type}_grad", phase=BACKWARD)
         out_grads = [total(o, op) for o in node.outputs]
         if all(g is None for g in out_grads):
             continue
@@ -158,7 +166,7 @@ def differentiate(graph: Graph, heads: list[Value], head_grads: list[Value], wrt
         used[node.op_type] = used.get(node.op_type, 0) + 1
 
     grads = {}
-    final = Builder(graph, names, prefix="grad_sum")
+    final = Builder(graph, names, prefix="grad_sum", phase=BACKWARD)
     for v in wrt:
         grads[v.name] = total(v, final)  # None: no gradient reaches v
     added += len(final.emitted)

@@ -1,23 +1,32 @@
 """A small in-memory graph with use-def links.
 
 Protobuf is touched only in `from_model` and `Graph.to_model`; passes work on `Graph`, `Node` and `Value`.
-Nodes keep their attributes as `AttributeProto`s, so a node can be cloned without knowing its op.
+Nodes keep their attributes as `AttributeProto`s, so a node can be cloned without knowing its op. Every node
+carries its phase (forward, recompute, backward, optimizer); `to_model` records the phases and the type of every
+value in the file, and `from_model` reads them back, so a later command can take a training graph up again.
 """
 from __future__ import annotations
 
 import copy
+import json
+from functools import lru_cache
 from typing import Iterable
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from .contract import FLOAT_TYPES, FORWARD, PHASES, PHASES_KEY
+from .errors import InternalError
 from .weights import copy_fields, is_stub, should_stub, stub_of
 
-FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE,
-                         onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16})
-
 Dim = int | str | None  # a known size, a symbol, or unknown
+
+
+@lru_cache(maxsize=None)
+def itemsize(elem_type: int) -> int:
+    """Bytes per element of an ONNX element type (sub-byte types count as one byte)."""
+    return max(helper.tensor_dtype_to_np_dtype(elem_type).itemsize, 1)
 
 
 class Value:
@@ -54,11 +63,23 @@ class Value:
     @property
     def nbytes(self) -> int | None:
         """Bytes of the tensor when its shape and dtype are known."""
-        shape = self.static_shape
-        if shape is None or not self.elem_type:
+        return self.bytes_with({})
+
+    def bytes_with(self, dims: dict[str, int]) -> int | None:
+        """Bytes of the tensor with its symbolic dimensions bound by `dims`; None while any is unknown."""
+        if self.shape is None or not self.elem_type:
             return None
-        itemsize = helper.tensor_dtype_to_np_dtype(self.elem_type).itemsize
-        return int(np.prod(shape, dtype=np.int64)) * itemsize
+        count = 1
+        for d in self.shape:
+            d = dims.get(d) if isinstance(d, str) else d
+            if d is None:
+                return None
+            count *= d
+        return count * itemsize(self.elem_type)
+
+    @property
+    def is_typed(self) -> bool:
+        return bool(self.elem_type) and self.shape is not None
 
     def value_info(self) -> onnx.ValueInfoProto:
         shape = None if self.shape is None else list(self.shape)
@@ -66,13 +87,14 @@ class Value:
 
 
 class Node:
-    __slots__ = ("op_type", "domain", "name", "inputs", "outputs", "attributes", "implicit_inputs")
+    __slots__ = ("op_type", "domain", "name", "inputs", "outputs", "attributes", "implicit_inputs", "phase")
 
     def __init__(self, op_type: str, inputs: Iterable[Value | None], outputs: Iterable[Value], name: str,
-                 attributes: Iterable[onnx.AttributeProto] = (), domain: str = ""):
+                 attributes: Iterable[onnx.AttributeProto] = (), domain: str = "", phase: str = FORWARD):
         self.op_type = op_type
         self.domain = domain
         self.name = name
+        self.phase = phase
         self.inputs: list[Value | None] = list(inputs)
         self.outputs: list[Value] = list(outputs)
         self.attributes: list[onnx.AttributeProto] = list(attributes)
@@ -116,6 +138,22 @@ class Node:
                 found.extend(a.graphs)
         return found
 
+    def set_input(self, i: int, v: Value | None) -> None:
+        """Read `v` as explicit input i instead of what was there."""
+        old = self.inputs[i]
+        if old is not None:
+            old.uses.remove((self, i))
+        self.inputs[i] = v
+        if v is not None:
+            v.uses.append((self, i))
+
+    def detach(self) -> None:
+        """Stop reading every input (the node is leaving the graph)."""
+        for i, v in enumerate(self.inputs):
+            if v is not None:
+                v.uses.remove((self, i))
+        self.set_implicit_inputs(())
+
     def set_implicit_inputs(self, values: Iterable[Value]) -> None:
         for k, v in enumerate(self.implicit_inputs):
             v.uses.remove((self, len(self.inputs) + k))
@@ -132,11 +170,15 @@ class Node:
 
 
 class Graph:
-    """A model's main graph plus the model-level fields needed to write it back."""
+    """A model's main graph plus the model-level fields needed to write it back.
+
+    `nodes` is the schedule: the order the file lists them in, which onnxruntime follows under the settings in
+    contract.RUNTIME_HINTS. Passes edit the graph through the methods below rather than splicing lists."""
 
     def __init__(self, model: onnx.ModelProto):
         self.model_template = onnx.ModelProto()
-        copy_fields(model, self.model_template, {"graph"})  # not CopyFrom: that would copy every weight too
+        copy_fields(model, self.model_template, {"graph", "metadata_props"})  # not CopyFrom: no weight copies
+        self.metadata: dict[str, str] = {p.key: p.value for p in model.metadata_props}
         self.name = model.graph.name
         self.doc_string = model.graph.doc_string
         self.opsets = {o.domain: o.version for o in model.opset_import}
@@ -172,9 +214,96 @@ class Graph:
     def is_initializer(self, v: Value) -> bool:
         return v.name in self.initializers
 
+    # -- editing ------------------------------------------------------------------------------------------
+    def clone(self, node: Node, name: str, output_names: list[str], phase: str | None = None) -> Node:
+        """A copy of `node` reading the same inputs, with new outputs of the same types. The copy is not in the
+        schedule yet: place it with `insert_before`/`insert_after`, or `reorder`."""
+        outputs = [Value(n, v.elem_type, v.shape) for n, v in zip(output_names, node.outputs)]
+        copy_ = Node(node.op_type, node.inputs, outputs, name, node.attributes, node.domain,
+                     node.phase if phase is None else phase)
+        if node.implicit_inputs:
+            copy_.set_implicit_inputs(node.implicit_inputs)
+        for v in outputs:
+            self.values[v.name] = v
+        return copy_
+
+    def insert_before(self, anchor: Node, nodes: list[Node]) -> None:
+        self._insert(self._position(anchor), nodes)
+
+    def insert_after(self, anchor: Node, nodes: list[Node]) -> None:
+        self._insert(self._position(anchor) + 1, nodes)
+
+    def _insert(self, at: int, nodes: list[Node]) -> None:
+        self.nodes[at:at] = nodes
+        for n in nodes:
+            for v in n.outputs:
+                self.values[v.name] = v
+
+    def _position(self, anchor: Node) -> int:
+        for i, n in enumerate(self.nodes):
+            if n is anchor:
+                return i
+        raise InternalError(f"node {anchor.name!r} is not in the graph")
+
+    def reorder(self, nodes: list[Node]) -> None:
+        """Make `nodes` the schedule: the same nodes as now, plus any new ones (clones), in a new order."""
+        for n in nodes:
+            for v in n.outputs:
+                self.values[v.name] = v
+        self.nodes = list(nodes)
+
+    def replace_all_uses(self, old: Value, new: Value, where=None) -> int:
+        """Every node that reads `old` (and for which `where(node)` holds) reads `new` instead; graph outputs
+        are not touched. Returns the number of inputs rewired."""
+        count = 0
+        for node, i in list(old.uses):
+            if where is not None and not where(node):
+                continue
+            if i >= len(node.inputs):
+                raise InternalError(f"{old.name!r} is read by name inside a subgraph of {node.name!r}: cannot rewire")
+            node.set_input(i, new)
+            count += 1
+        return count
+
+    def remove(self, nodes: Iterable[Node]) -> None:
+        """Take nodes out of the graph; none of their outputs may still be read, except by removed nodes."""
+        gone = {id(n) for n in nodes}
+        outputs = {id(v) for v in self.outputs}
+        for n in self.nodes:
+            if id(n) not in gone:
+                continue
+            for v in n.outputs:
+                if id(v) in outputs or any(id(u) not in gone for u, _ in v.uses):
+                    raise InternalError(f"cannot remove {n.name!r}: its output {v.name!r} is still used")
+        kept = []
+        for n in self.nodes:
+            if id(n) in gone:
+                n.detach()
+                for v in n.outputs:
+                    if self.values.get(v.name) is v:
+                        del self.values[v.name]
+            else:
+                kept.append(n)
+        self.nodes = kept
+
+    def remove_dead(self) -> int:
+        """Remove the nodes nothing reaches the graph outputs through; returns how many were removed."""
+        needed: set[int] = {id(v) for v in self.outputs}
+        dead = []
+        for n in reversed(self.nodes):
+            if any(id(v) in needed for v in n.outputs):
+                needed.update(id(v) for v in n.all_inputs if v is not None)
+            else:
+                dead.append(n)
+        if dead:
+            self.remove(dead)
+        return len(dead)
+
+    # -- writing ------------------------------------------------------------------------------------------
     def to_model(self, weights_apart: bool = False) -> onnx.ModelProto:
         """The model as a proto. `weights_apart`: write large float initializers as stubs (weights.py) whose
-        data stays in `self.initializers`, instead of copying it into the new proto."""
+        data stays in `self.initializers`, instead of copying it into the new proto. The type of every value
+        that is neither a graph input nor an output is written as value_info, as shape inference would."""
         model = onnx.ModelProto()
         model.CopyFrom(self.model_template)
         g = model.graph
@@ -185,9 +314,41 @@ class Graph:
         g.initializer.extend(stub_of(t) if weights_apart and should_stub(t) else t
                              for t in self.initializers.values())
         g.sparse_initializer.extend(self.sparse_initializers)
+        edges = {v.name for v in self.inputs} | {v.name for v in self.outputs}
+        g.value_info.extend(v.value_info() for n in self.nodes for v in n.outputs
+                            if v.elem_type and v.name and v.name not in edges)
         del model.opset_import[:]
         model.opset_import.extend(helper.make_opsetid(d, v) for d, v in self.opsets.items())
+        metadata = dict(self.metadata)
+        if any(n.phase != FORWARD for n in self.nodes):
+            metadata[PHASES_KEY] = encode_phases(n.phase for n in self.nodes)
+        else:
+            metadata.pop(PHASES_KEY, None)
+        model.metadata_props.extend(onnx.StringStringEntryProto(key=k, value=v) for k, v in metadata.items())
         return model
+
+
+def encode_phases(phases: Iterable[str]) -> str:
+    """The phases of the nodes in order, as runs: '[["forward", 12], ["backward", 30]]'."""
+    runs: list[list] = []
+    for p in phases:
+        if runs and runs[-1][0] == p:
+            runs[-1][1] += 1
+        else:
+            runs.append([p, 1])
+    return json.dumps(runs, separators=(",", ":"))
+
+
+def decode_phases(text: str, count: int) -> list[str] | None:
+    """The per-node phases recorded by `encode_phases`; None when they do not describe `count` nodes."""
+    try:
+        runs = json.loads(text)
+        phases = [p for p, k in runs for _ in range(int(k))]
+    except (ValueError, TypeError):
+        return None
+    if len(phases) != count or any(p not in PHASES for p in phases):
+        return None
+    return phases
 
 
 def _shape_of(type_proto: onnx.TypeProto) -> tuple[int | None, tuple[Dim, ...] | None]:
@@ -236,6 +397,10 @@ def from_model(model: onnx.ModelProto, weights: dict[str, onnx.TensorProto] | No
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
             attach_implicit_inputs(graph, node)
     graph.values.pop("", None)
+    phases = decode_phases(graph.metadata.get(PHASES_KEY, ""), len(graph.nodes))
+    if phases is not None:
+        for node, phase in zip(graph.nodes, phases):
+            node.phase = phase
     for vi in g.output:
         v = graph.value(vi.name)
         et, shape = _shape_of(vi.type)

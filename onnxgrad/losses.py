@@ -15,11 +15,11 @@ from onnx import TensorProto, shape_inference
 
 from .builder import Builder, Names
 from .errors import UsageError
-from .ir import Graph, Value, from_model, set_metadata
+from .contract import LOSS_FN_KEY
+from .ir import Graph, Value, from_model
 
 LOSSES = ("mse", "l1", "cross-entropy", "bce-with-logits")
 REDUCTIONS = ("mean", "sum")
-METADATA_KEY = "onnxgrad.loss_fn"
 
 
 def append_loss(model: onnx.ModelProto, kind: str, output: str, target_input: str = "target",
@@ -30,8 +30,17 @@ def append_loss(model: onnx.ModelProto, kind: str, output: str, target_input: st
     losses read a target of the output's type and shape. The model is not changed."""
     _check_options(kind, reduction, class_weights, ignore_index)
     graph = from_model(_with_output_types(model, output))
-    y = _find_output(graph, output)
     names = Names([*graph.values, *(n.name for n in graph.nodes)])
+    add_loss(graph, names, kind, output, target_input, reduction, class_weights, ignore_index, loss_output)
+    return graph.to_model()
+
+
+def add_loss(graph: Graph, names: Names, kind: str, output: str, target_input: str = "target",
+             reduction: str = "mean", class_weights: Sequence[float] | None = None,
+             ignore_index: int | None = None, loss_output: str = "loss") -> Value:
+    """Append the loss to `graph` (the pass behind `append_loss`); returns the loss value, a new output."""
+    _check_options(kind, reduction, class_weights, ignore_index)
+    y = _find_output(graph, output)
     if target_input == loss_output:
         raise UsageError(f"--target-input and --loss-output are both {target_input!r}; choose two names")
     for name, what, flag in ((target_input, "target input", "--target-input"),
@@ -50,13 +59,11 @@ def append_loss(model: onnx.ModelProto, kind: str, output: str, target_input: st
     graph.rename(loss, loss_output)
     loss.elem_type, loss.shape = y.elem_type, ()
     graph.outputs.append(loss)
-
-    out = graph.to_model()
     record = {"kind": kind, "output": output, "target_input": target_input, "loss_output": loss_output,
               "reduction": reduction, "class_weights": None if class_weights is None else list(class_weights),
               "ignore_index": ignore_index}
-    set_metadata(out, {METADATA_KEY: json.dumps(record)})
-    return out
+    graph.metadata[LOSS_FN_KEY] = json.dumps(record)
+    return loss
 
 
 # -- the losses, per element (before the reduction) ---------------------------------------------------------

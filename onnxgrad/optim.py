@@ -19,14 +19,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .builder import Builder, Names
 from .errors import UsageError
-from .ir import Graph, Value, from_model, set_metadata
+from .contract import GRAD_SUFFIX, NEXT_SUFFIX, OPTIMIZER, OPTIMIZER_KEY, STATE_KEY
+from .ir import Graph, Value, from_model
 from .weights import should_stub, stub_of
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
-GRAD_SUFFIX = "_grad"
-NEXT_SUFFIX = ".next"
-OPTIMIZER_KEY = "onnxgrad.optimizer"
-STATE_KEY = "onnxgrad.state"
 CLIP_EPS = 1e-6  # added to the total norm by torch.nn.utils.clip_grad_norm_
 
 # Defaults are torch.optim's, except `momentum`, which is SGD with momentum 0.9 unless told otherwise.
@@ -102,11 +99,20 @@ def append_optimizer(train: onnx.ModelProto, kind: str, *, parameters: list[str]
     `weights`: for a skeleton (weights.py), the map that holds its stubs' data; large new state tensors go
     there too, and into the step graph as stubs."""
     settings = optimizer_settings(kind, hyper)
-    if any(p.key == OPTIMIZER_KEY for p in train.metadata_props):
-        raise UsageError("the model already has an optimizer (metadata onnxgrad.optimizer)")
     graph = from_model(train)
-    params = _parameters(graph, parameters)
     names = Names([*graph.values, *(n.name for n in graph.nodes)])
+    add_optimizer(graph, names, settings, parameters, weights)
+    return graph.to_model()
+
+
+def add_optimizer(graph: Graph, names: Names, settings: dict, parameters: list[str] | None = None,
+                  weights: dict[str, onnx.TensorProto] | None = None) -> None:
+    """Append the update of `settings` (from `optimizer_settings`) to a training graph: the pass behind
+    `append_optimizer`. New nodes are in the optimizer phase; the graph's outputs become the step graph's."""
+    kind = settings["kind"]
+    if OPTIMIZER_KEY in graph.metadata:
+        raise UsageError("the model already has an optimizer (metadata onnxgrad.optimizer)")
+    params = _parameters(graph, parameters)
     adam = kind in ("adam", "adamw")
     accumulate = settings["accumulate"]
 
@@ -130,7 +136,7 @@ def append_optimizer(train: onnx.ModelProto, kind: str, *, parameters: list[str]
         for k in state_kinds(settings):
             inputs[f"{p.name}.{k}"] = _add_state(graph, f"{p.name}.{k}", zeros, weights)
 
-    op = Builder(graph, names, prefix="optimizer")
+    op = Builder(graph, names, prefix="optimizer", phase=OPTIMIZER)
     results: dict[str, Value] = {}  # state input name -> its next value
     grads = [g for _, g in params]
     apply = None
@@ -142,7 +148,7 @@ def append_optimizer(train: onnx.ModelProto, kind: str, *, parameters: list[str]
     hp = Hyper(op, settings, lr, step)
     update = UPDATES[kind]
     for (p, _), g in zip(params, grads):
-        pop = Builder(graph, names, prefix=f"optimizer/{p.name}")
+        pop = Builder(graph, names, prefix=f"optimizer/{p.name}", phase=OPTIMIZER)
         own = {k: inputs[f"{p.name}.{k}"] for k in state_kinds(settings) if k != "grad_acc"}
         p_next, own_next = update(pop, hp, p, g, own)
         updated = [(p.name, p, p_next)] + [(f"{p.name}.{k}", own[k], v) for k, v in own_next.items()]
@@ -158,12 +164,9 @@ def append_optimizer(train: onnx.ModelProto, kind: str, *, parameters: list[str]
         v.elem_type, v.shape = like.elem_type, like.shape
     kept = kept if settings["keep_grads"] else []
     graph.outputs[:] = original + [results[name] for name in state] + kept + extra
-
-    out = graph.to_model()
-    settings["parameters"] = [p.name for p, _ in params]
-    set_metadata(out, {OPTIMIZER_KEY: json.dumps(settings)})
-    set_metadata(out, {STATE_KEY: json.dumps(state)})
-    return out
+    settings = {**settings, "parameters": [p.name for p, _ in params]}
+    graph.metadata[OPTIMIZER_KEY] = json.dumps(settings)
+    graph.metadata[STATE_KEY] = json.dumps(state)
 
 
 # -- the updates: (builder, hyper-parameters, p, g, own state) -> (p.next, own state.next) -----------------
@@ -298,6 +301,7 @@ def _parameters(graph: Graph, names: list[str] | None) -> list[tuple[Value, Valu
             raise UsageError("the model has no <param>_grad outputs of initializers: is it a graph written by "
                              "onnxgrad build-grad?")
     pairs = []
+    inputs = {id(v) for v in graph.inputs}
     for name in names:
         if name not in graph.initializers:
             raise UsageError(f"--optimizer: {name!r} has a gradient but no initializer, so no value to update "
@@ -306,8 +310,9 @@ def _parameters(graph: Graph, names: list[str] | None) -> list[tuple[Value, Valu
         if g is None:
             raise UsageError(f"--optimizer: the parameter {name!r} has no {name + GRAD_SUFFIX!r} output")
         p = graph.values[name]
-        if p not in graph.inputs:
+        if id(p) not in inputs:
             graph.inputs.append(p)
+            inputs.add(id(p))
         pairs.append((p, g))
     return pairs
 

@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from .builder import Builder, Names
-from .gradient import reaching
+from .gradient import reaching_heads
 from .ir import Dim, Graph, Node, Value, names_defined_in
 
 RECURRENT = {"LSTM": ("Sigmoid", "Tanh", "Tanh"), "GRU": ("Sigmoid", "Tanh"), "RNN": ("Tanh",)}
@@ -40,14 +40,14 @@ def lower_for_gradient(graph: Graph, heads: list[Value]) -> bool:
     if not any(n.op_type in RECURRENT or n.op_type in SEQUENCE_OPS or n.op_type == "Dropout"
                for n in graph.nodes if not n.domain):
         return False
-    live = reaching(graph, heads)
+    reaches_loss = reaching_heads(graph, heads)
     taken = [*graph.values, *(n.name for n in graph.nodes)]
     taken += [name for n in graph.nodes for sub in n.subgraphs() for name in names_defined_in(sub)]
     rewriter = _Rewriter(graph, Names(taken))
     old, graph.nodes = graph.nodes, []
     for node in old:
         # SequenceLength's integer output is never on the path, but replacing it frees the sequence
-        on_path = not node.domain and (any(id(o) in live for o in node.outputs) or node.op_type == "SequenceLength")
+        on_path = not node.domain and (any(id(o) in reaches_loss for o in node.outputs) or node.op_type == "SequenceLength")
         if on_path and rewriter.rewrite(node):
             continue
         graph.nodes.append(node)

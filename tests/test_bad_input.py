@@ -393,11 +393,11 @@ def test_readonly_folder_when_not_root(tmp_path, capfd):
 
 # -- internal errors -------------------------------------------------------------------------------------------
 def test_internal_error_is_one_line(tmp_path, capfd, monkeypatch):
-    import onnxgrad.api
+    import onnxgrad.passes.gradient
 
     def broken(*a, **k):
         raise ValueError("boom\nsecond line")
-    monkeypatch.setattr(onnxgrad.api, "differentiate", broken)
+    monkeypatch.setattr(onnxgrad.passes.gradient, "differentiate", broken)
     names = prepare(tmp_path, "x", "affine")
     before = snapshot(tmp_path)
     code = main(["build-grad", str(names["model"]), "-o", str(names["out"])])
@@ -411,12 +411,12 @@ def test_internal_error_is_one_line(tmp_path, capfd, monkeypatch):
 
 
 def test_multiline_messages_become_one_line(tmp_path, capfd, monkeypatch):
-    import onnxgrad.api
+    import onnxgrad.loader
     from onnxgrad.errors import InvalidModelError
 
     def failing(model):
         raise InvalidModelError("shape inference failed: first\n  second\n")
-    monkeypatch.setattr(onnxgrad.api.loader, "infer_shapes", failing)
+    monkeypatch.setattr(onnxgrad.loader, "infer_shapes", failing)
     names = prepare(tmp_path, "x", "affine")
     assert main(["build-grad", str(names["model"]), "-o", str(names["out"])]) == 3
     out, err = capfd.readouterr()
@@ -424,11 +424,11 @@ def test_multiline_messages_become_one_line(tmp_path, capfd, monkeypatch):
 
 
 def test_keyboard_interrupt(tmp_path, capfd, monkeypatch):
-    import onnxgrad.api
+    import onnxgrad.passes.gradient
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(onnxgrad.api, "differentiate", interrupted)
+    monkeypatch.setattr(onnxgrad.passes.gradient, "differentiate", interrupted)
     names = prepare(tmp_path, "x", "affine")
     before = snapshot(tmp_path)
     assert main(["build-grad", str(names["model"]), "-o", str(names["out"])]) == 130

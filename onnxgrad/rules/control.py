@@ -21,7 +21,7 @@ from onnx import helper, numpy_helper
 from .. import unroll
 from ..builder import Builder
 from ..errors import UnsupportedError
-from ..gradient import differentiate, reaching
+from ..gradient import differentiate, reaching_heads
 from ..ir import Graph, Node, Value, attach_implicit_inputs, from_model, names_defined_in, outer_references
 from ..registry import rule
 
@@ -65,7 +65,7 @@ def _branch_backward(ctx, attr_name: str, wanted: list[Value], out_grads: list[V
     where = f"in the {attr_name} of If node {node.name!r}"
     try:
         unroll.lower_for_gradient(sub, heads)
-        result = differentiate(sub, heads, seeds, wrt, names, reaching(sub, heads))
+        result = differentiate(sub, heads, seeds, wrt, names, reaching_heads(sub, heads))
     except UnsupportedError as e:
         raise UnsupportedError(f"{where}: {e}") from None
 
@@ -124,12 +124,12 @@ def _renamed(g: onnx.GraphProto, mapping: dict[str, str]) -> onnx.GraphProto:
 
 def _needed_nodes(graph: Graph, outputs: list[Value]) -> list[Node]:
     """The nodes the outputs depend on, in graph order (the forward nodes the backward does not read go)."""
-    live = {id(v) for v in outputs}
+    needed = {id(v) for v in outputs}
     kept = []
     for n in reversed(graph.nodes):
-        if any(id(o) in live for o in n.outputs):
+        if any(id(o) in needed for o in n.outputs):
             kept.append(n)
-            live.update(id(v) for v in n.all_inputs if v is not None)
+            needed.update(id(v) for v in n.all_inputs if v is not None)
     return kept[::-1]
 
 

@@ -1,0 +1,148 @@
+"""The gradient pass: choose the parameters, seed the heads, append the backward graph (`gradient.differentiate`)
+and name each gradient as an output `<x>_grad`."""
+from __future__ import annotations
+
+from onnx import helper
+
+from ..builder import Builder, Names
+from ..contract import BACKWARD, GRAD_SUFFIX
+from ..errors import UnsupportedError, UsageError
+from ..gradient import differentiate
+from ..ir import Graph, Value
+from ..pipeline import Build, Pass
+
+
+class Gradient(Pass):
+    name = "gradient"
+    requires = frozenset({"graph", "heads", "lowered"})
+    ensures = frozenset({"gradient"})
+
+    def run(self, build: Build) -> None:
+        o, graph, heads = build.options, build.graph, build.heads
+        xs = select_parameters(graph, heads, build.reaches_loss, o.requires_grad, o.frozen)
+        us = [find_value(graph, name, "--also-grad") for name in o.also_grad or []]
+        for u in us:
+            if u.elem_type is not None and not u.is_float:
+                raise UsageError(f"--also-grad {u.name}: has a non-floating-point type, so no gradient")
+
+        names = build.new_names()
+        for v in xs + us:
+            name = v.name + GRAD_SUFFIX
+            if names.taken(name):
+                raise UsageError(f"cannot name a gradient output {name!r}: the model already has a value of that name")
+            names.reserve(name)
+
+        head_grads = [seed_gradient(graph, h, names, o.feed_head_grads) for h in heads]
+        result = differentiate(graph, heads, head_grads, xs + us, names, build.reaches_loss)
+        for x in xs:
+            if result.grads[x.name] is None:
+                raise UsageError(f"{x.name!r} is not reachable from the loss {heads[0].name!r}: it has no gradient")
+        finalize_outputs(graph, xs, us, result.grads, names)
+        for x in xs:
+            if graph.is_initializer(x) and x not in graph.inputs:
+                graph.inputs.append(x)
+        build.parameters, build.also = xs, us
+        build.report.update({
+            "parameters": [x.name for x in xs],
+            "also_grad": [u.name for u in us],
+            "backward_nodes": sum(n.phase == BACKWARD for n in graph.nodes),
+            "rules_used": dict(sorted(result.rules_used.items())),
+        })
+
+
+def select_parameters(graph: Graph, heads: list[Value], reaches_loss: set[int], requires_grad,
+                      frozen) -> list[Value]:
+    """The xs: requested names, or every floating-point initializer with a differentiable path to the loss
+    (`reaches_loss`: the ids of the values the heads depend on)."""
+    frozen_set = set(frozen or [])
+    for name in frozen_set:
+        find_value(graph, name, "--frozen")
+    if requires_grad:
+        xs = []
+        for name in requires_grad:
+            v = find_value(graph, name, "--requires-grad")
+            if not (graph.is_initializer(v) or v in graph.inputs):
+                raise UsageError(f"--requires-grad {name}: not an initializer or a graph input "
+                                 f"(use --also-grad for intermediate values)")
+            if v.elem_type is not None and not v.is_float:
+                raise UsageError(f"--requires-grad {name}: {no_gradient_type(v.elem_type)}, so no gradient")
+            if id(v) not in reaches_loss:
+                not_reachable(graph, v, heads[0])
+            if name not in frozen_set and v not in xs:
+                xs.append(v)
+    else:
+        xs = [graph.values[name] for name in graph.initializers
+              if name not in frozen_set and graph.values[name].is_float and id(graph.values[name]) in reaches_loss]
+    # parameters in initializer order, then graph inputs in input order
+    order = {name: i for i, name in enumerate(graph.initializers)}
+    order.update({v.name: len(order) + i for i, v in enumerate(graph.inputs) if v.name not in order})
+    return sorted(xs, key=lambda v: order[v.name])
+
+
+def no_gradient_type(elem_type: int) -> str:
+    """'has an integer type', or the name of a type gradients do not flow through (float8, float4, bool)."""
+    dtype = helper.tensor_dtype_to_np_dtype(elem_type)
+    if dtype.kind in "iu":
+        return "has an integer type"
+    name = helper.tensor_dtype_to_string(elem_type).split(".")[-1].lower()
+    return f"has the element type {name} (gradients flow through float, double, float16 and bfloat16)"
+
+
+def not_reachable(graph: Graph, v: Value, head: Value) -> None:
+    """Raise why `v` gets no gradient: nothing connects it to the loss (a usage error), or the loss reads it
+    only through inputs that no rule differentiates (unsupported), e.g. an inference BatchNormalization's mean."""
+    from ..gradient import differentiable_edge
+    stopped = [(n, i) for n, i in v.uses if not differentiable_edge(n, i, graph.opset)
+               and any(id(o) in graph_reaches(graph, head) for o in n.outputs)]
+    if stopped:
+        n, i = stopped[0]
+        raise UnsupportedError(f"--requires-grad {v.name}: the loss {head.name!r} depends on it only through "
+                               f"input {i} of {n.op_type} node {n.name!r}, which no gradient rule differentiates")
+    raise UsageError(f"--requires-grad {v.name}: not reachable from the loss {head.name!r} through differentiable ops")
+
+
+def graph_reaches(graph: Graph, head: Value) -> set[int]:
+    """ids of every value the head depends on through any edge, differentiable or not."""
+    needed = {id(head)}
+    for n in reversed(graph.nodes):
+        if any(id(o) in needed for o in n.outputs):
+            needed.update(id(x) for x in n.all_inputs if x is not None)
+    return needed
+
+
+def seed_gradient(graph: Graph, head: Value, names: Names, feed: bool = False) -> Value:
+    """1 for a scalar loss; otherwise (or when asked) a new graph input `<head>_grad` that the caller feeds."""
+    if head.shape == () and not feed:
+        return Builder(graph, names, prefix="seed", phase=BACKWARD).const(1.0, head.elem_type)
+    name = head.name + GRAD_SUFFIX
+    if names.taken(name):
+        raise UsageError(f"cannot add the input {name!r} for the gradient of {head.name!r}: the name is taken")
+    names.reserve(name)
+    v = Value(name, head.elem_type, head.shape)
+    graph.values[name] = v
+    graph.inputs.append(v)
+    return v
+
+
+def finalize_outputs(graph: Graph, xs, us, grads: dict[str, Value | None], names: Names) -> None:
+    """Name each gradient output; a value claimed twice, or not ours to rename, goes out through Identity."""
+    claimed = {id(v) for v in graph.outputs} | {id(v) for v in graph.inputs}
+    op = Builder(graph, names, prefix="grad_out", phase=BACKWARD)
+    for v in list(xs) + list(us):
+        g = grads[v.name]
+        if g is None:  # an --also-grad value that the loss does not depend on
+            g = op.ConstantOfShape(op.Shape(v), value=helper.make_tensor("", v.elem_type, [1], [0]))
+        target = v.name + GRAD_SUFFIX
+        if id(g) in claimed or g.producer is None or g.producer.phase != BACKWARD:
+            g = op.Identity(g)
+        graph.rename(g, target)
+        g.elem_type, g.shape = v.elem_type, v.shape
+        claimed.add(id(g))
+        graph.outputs.append(g)
+
+
+def find_value(graph: Graph, name: str, flag: str) -> Value:
+    v = graph.values.get(name)
+    if v is None:
+        raise UsageError(f"{flag} {name}: no value of that name in the model")
+    return v
