@@ -4,6 +4,7 @@ The scalar checked is L = sum over the loss outputs y (metadata `onnxgrad.loss`)
 seeded random value fed to the graph input `<y>_grad`, or 1 for a scalar loss without one. For a seeded sample
 of the elements of every parameter (an initializer or graph input with a `<name>_grad` output), the backward
 output is compared with the central difference (L(p + h) - L(p - h)) / 2h of the forward part of the graph.
+The numerical core (float64 conversion, running, perturbing) is onnxgrad.gradcheck's, which the rule tests use too.
 
 The check runs in float64 when onnxruntime can run the graph converted to float64 (initializers, float inputs
 and outputs, Cast targets, Constant and ConstantOfShape values), else in float32 with a larger step and a
@@ -11,21 +12,18 @@ looser tolerance; the table says which, and why.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import onnx
-import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
+from .contract import FLOAT_TYPES, GRAD_SUFFIX, LOSS_KEY
 from .errors import InvalidModelError, UsageError
+from .gradcheck import CannotRun, Runner, perturb, to_float64
 from .runner import random_feeds
 
-GRAD_SUFFIX = "_grad"
-LOSS_KEY = "onnxgrad.loss"
-FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE})
 STEP = {"float64": 1e-6, "float32": 1e-3}  # relative to max(1, |p|)
 DEFAULT_DIM = 2                            # size of a symbolic dim in the random data, unless --dim says
 
@@ -124,17 +122,17 @@ def check_training_graph(model: onnx.ModelProto, *, loss: list[str] | None = Non
     if precision != "float32":
         try:
             model64 = to_float64(model)
-            train = _Runner(model64, float64_fallback)
-            fwd = _Runner(forward_model(model64, heads), float64_fallback)
+            train = Runner(model64, float64_fallback)
+            fwd = Runner(forward_model(model64, heads), float64_fallback)
             dtype = np.float64
-        except _CannotRun as e:
+        except CannotRun as e:
             if precision == "float64":
                 raise UsageError(f"--precision float64: {e}") from None
             reason = str(e)
     if train is None:
         try:
-            train, fwd = _Runner(model), _Runner(forward_model(model, heads))
-        except _CannotRun as e:
+            train, fwd = Runner(model), Runner(forward_model(model, heads))
+        except CannotRun as e:
             raise InvalidModelError(f"onnxruntime cannot run the training graph: {e}") from None
         dtype = None  # the model's own types
     rng = np.random.default_rng(seed)
@@ -175,18 +173,14 @@ def check_training_graph(model: onnx.ModelProto, *, loss: list[str] | None = Non
         n = value.size
         picks = np.arange(n) if samples == 0 or samples >= n else np.sort(rng.choice(n, samples, replace=False))
         g_floor = 1e-2 * float(np.max(np.abs(g))) if g.size else 0.0
-        work = value.copy()  # perturbed one element at a time, then restored
         worst = (-1.0, 0, 0.0, 0.0)
         for flat in picks:
             x = float(value.flat[flat])
             h = step * max(1.0, abs(x))
-            work.flat[flat] = x + h
-            up = float(work.flat[flat]) - x  # the step the dtype really took
-            l_plus = objective(train({**base, p: work}, heads))
-            work.flat[flat] = x - h
-            down = x - float(work.flat[flat])
-            l_minus = objective(train({**base, p: work}, heads))
-            work.flat[flat] = value.flat[flat]
+            plus, minus = perturb(value, int(flat), h)  # this element moved by ±h
+            up, down = float(plus.flat[flat]) - x, x - float(minus.flat[flat])  # the steps the dtype really took
+            l_plus = objective(train({**base, p: plus}, heads))
+            l_minus = objective(train({**base, p: minus}, heads))
             bp = float(g.flat[flat])
             # central difference; where a kink (Relu, Max, Abs) lies within the step, the one-sided difference
             # on the side of p is the derivative at p, so an element passes when either agrees
@@ -314,94 +308,3 @@ def _names_read_in_subgraphs(node: onnx.NodeProto) -> set[str]:
                 names.update(i for i in n.input if i)
                 names.update(_names_read_in_subgraphs(n))
     return names
-
-
-def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of `model` computing in float64: float tensors, types, Cast targets and constants converted."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    _graph_to_float64(out.graph)
-    return out
-
-
-def _graph_to_float64(g: onnx.GraphProto) -> None:
-    for k, t in enumerate(g.initializer):
-        if t.data_type in FLOAT_TYPES and t.data_type != TensorProto.DOUBLE:
-            g.initializer[k].CopyFrom(_tensor_to_float64(t))
-    for vi in list(g.input) + list(g.output) + list(g.value_info):
-        _type_to_float64(vi.type)
-    for node in g.node:
-        for a in list(node.attribute):
-            if a.name in ("to", "dtype") and a.type == onnx.AttributeProto.INT and a.i in FLOAT_TYPES:
-                a.i = TensorProto.DOUBLE
-            elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type in FLOAT_TYPES:
-                a.t.CopyFrom(_tensor_to_float64(a.t))
-            elif a.type == onnx.AttributeProto.TENSORS:
-                for t in a.tensors:
-                    if t.data_type in FLOAT_TYPES:
-                        t.CopyFrom(_tensor_to_float64(t))
-            elif a.type == onnx.AttributeProto.GRAPH:
-                _graph_to_float64(a.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for sub in a.graphs:
-                    _graph_to_float64(sub)
-            elif node.op_type == "Constant" and a.name in ("value_float", "value_floats"):
-                value = np.array(a.f if a.name == "value_float" else list(a.floats), np.float64)
-                node.attribute.remove(a)
-                node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(value)))
-
-
-def _tensor_to_float64(t: onnx.TensorProto) -> onnx.TensorProto:
-    return numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name)
-
-
-def _type_to_float64(tp: onnx.TypeProto) -> None:
-    which = tp.WhichOneof("value")
-    if which == "tensor_type" and tp.tensor_type.elem_type in FLOAT_TYPES:
-        tp.tensor_type.elem_type = TensorProto.DOUBLE
-    elif which == "sequence_type":
-        _type_to_float64(tp.sequence_type.elem_type)
-    elif which == "optional_type":
-        _type_to_float64(tp.optional_type.elem_type)
-
-
-# -- running -----------------------------------------------------------------------------------------------------
-class _CannotRun(Exception):
-    """onnxruntime refuses the graph; the message says why, in a few words."""
-
-
-class _Runner:
-    """Runs a graph: (feeds, output names or None for all) -> {output name: array}. onnxruntime with one
-    thread, so that runs are deterministic; or the fallback, where one is given and onnxruntime refuses."""
-
-    def __init__(self, model: onnx.ModelProto, fallback: Callable | None = None):
-        self.names = [o.name for o in model.graph.output]
-        self.inputs = {vi.name for vi in model.graph.input} | {t.name for t in model.graph.initializer}
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        so.intra_op_num_threads = 1
-        so.inter_op_num_threads = 1
-        try:
-            sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        except Exception as e:
-            if fallback is None:
-                raise _CannotRun(_why_not(e)) from None
-            self.engine, self.run = "fallback", fallback(model)
-        else:
-            self.engine, self.run = "onnxruntime", sess.run
-
-    def __call__(self, feeds: dict, outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        values = self.run(outputs, {k: v for k, v in feeds.items() if k in self.inputs})
-        return dict(zip(outputs or self.names, (np.asarray(v) for v in values)))
-
-
-def _why_not(e: Exception) -> str:
-    text = str(e)
-    m = re.search(r"Could not find an implementation for (\w+)\(\d+\)", text)
-    if m:
-        return f"onnxruntime has no float64 kernel for {m.group(1)}"
-    m = re.search(r"of operator \((\w+)\)", text)
-    if m:
-        return f"{m.group(1)} has no float64 form"
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return (lines[0] if lines else type(e).__name__)[:200]

@@ -7,6 +7,8 @@ Checks, all in float64:
 - the inner-product test <t, Jᵀc> = <J t, c>, with J t from central finite differences, on random t and c;
 - on tiny shapes, the full Jacobian: every row from the backward pass, every column by finite differences;
 - the float32 training graph runs in stock onnxruntime and agrees with the float64 gradients.
+The numbers come from onnxgrad.gradcheck, the core `onnxgrad check` uses too; `check_model` runs the three
+tests on any model (tests/test_control_flow.py's whole models go through it).
 """
 from __future__ import annotations
 
@@ -15,13 +17,11 @@ from typing import Callable
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import helper, numpy_helper
-from onnx.reference import ReferenceEvaluator
 
 import onnxgrad
-from onnxgrad import runtime
-from onnxgrad.ir import FLOAT_TYPES
+from onnxgrad import gradcheck
+from onnxgrad.contract import FLOAT_TYPES, GRAD_SUFFIX
 
 
 def away_from_zero(rng: np.random.Generator, shape) -> np.ndarray:
@@ -90,20 +90,16 @@ def _model(case: Case, dtype) -> tuple[onnx.ModelProto, list[str]]:
 
 
 class Runner:
-    """Runs a model in float64: onnxruntime where it has the kernels, the onnx reference evaluator otherwise."""
+    """Runs a model in float64: onnxruntime where it has the kernels, the onnx reference evaluator otherwise.
+    Called with feeds, gives every output, in the order of `outputs`; `sess` is None on the fallback."""
 
     def __init__(self, model: onnx.ModelProto):
-        try:
-            self.sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-            self.ref = None
-        except Exception:
-            self.sess, self.ref = None, ReferenceEvaluator(model)
-        self.outputs = [o.name for o in model.graph.output]
+        self.run = gradcheck.Runner(model, fallback=gradcheck.reference_evaluator)
+        self.sess = self.run.session
+        self.outputs = self.run.names
 
     def __call__(self, feeds: dict) -> list[np.ndarray]:
-        if self.sess is not None:
-            return self.sess.run(None, feeds)
-        return [np.asarray(v) for v in self.ref.run(None, feeds)]
+        return list(self.run(feeds).values())
 
 
 def float_outputs(model: onnx.ModelProto) -> list[str]:
@@ -122,77 +118,64 @@ def check_case(case: Case, seed: int = 0, full_jacobian_max: int = 48) -> None:
     heads = float_outputs(fwd)
     train = _build(fwd, heads, wrt)
     f, b = Runner(fwd), Runner(train)
+    fwd32, _ = _model(case, np.float32)
+    train32 = _build(fwd32, heads, wrt)
 
     x = {}
     for i, spec in enumerate(case.inputs):
         if isinstance(spec, tuple):
             x[f"in{i}"] = np.asarray(case.samplers.get(i, case.sampler)(rng, spec), dtype=case.dtype)
-    y0 = [y for o, y in zip(f.outputs, f(x)) if o in heads]
-    out_shapes = [np.shape(y) for y in y0]
+
+    def forward(feeds):
+        return [y for o, y in zip(f.outputs, f(feeds)) if o in heads]
+    y0 = forward(x)
+    check_model(forward, lambda feeds: dict(zip(b.outputs, b(feeds))), x, wrt, heads,
+                [np.shape(y) for y in y0], [y.dtype for y in y0], train32, rng,
+                eps=1e-6 if case.dtype == np.float64 else 1e-2, tol=case.tol, tol32=case.tol32,
+                full_jacobian_max=full_jacobian_max, label=str(case))
+
+
+def check_model(forward: Callable, backward: Callable, x: dict, wrt: list[str], heads: list[str], out_shapes: list,
+                seed_dtypes: list, train32: onnx.ModelProto, rng: np.random.Generator, *, eps: float, tol: float,
+                tol32: float, full_jacobian_max: int = 48, label: str = "") -> None:
+    """The checker's three tests of one model, at the point x (every graph input; wrt: the differentiated ones).
+    forward: feeds -> the heads' values (a float64 forward pass, for the finite differences); backward: feeds ->
+    {output: value} of the float64 training graph, whose `<head>_grad` inputs get c cast to seed_dtypes;
+    train32: the float32 training graph, run in stock onnxruntime last. A failure names `label`."""
+    where = f"{label}: " if label else ""
 
     def vjp(c: list[np.ndarray]) -> dict[str, np.ndarray]:
         feeds = dict(x)
-        for name, ci, y in zip(heads, c, y0):
-            feeds[name + "_grad"] = np.asarray(ci, dtype=y.dtype)
-        res = b(feeds)
-        by_name = dict(zip(b.outputs, res))
-        return {n: by_name[n + "_grad"] for n in wrt}
+        for name, ci, dtype in zip(heads, c, seed_dtypes):
+            feeds[name + GRAD_SUFFIX] = np.asarray(ci, dtype=dtype)
+        by_name = backward(feeds)
+        return {n: by_name[n + GRAD_SUFFIX] for n in wrt}
 
     def jvp(t: dict[str, np.ndarray]) -> list[np.ndarray]:
-        eps = 1e-6 if case.dtype == np.float64 else 1e-2
-        plus = f({n: np.asarray(x[n] + eps * t.get(n, 0), dtype=x[n].dtype) for n in x})
-        minus = f({n: np.asarray(x[n] - eps * t.get(n, 0), dtype=x[n].dtype) for n in x})
-        keep = [k for k, o in enumerate(f.outputs) if o in heads]
-        plus, minus = [plus[k] for k in keep], [minus[k] for k in keep]
-        return [(p - m) / (2 * eps) for p, m in zip(plus, minus)]
+        return gradcheck.central_difference(forward, x, t, eps)
 
     # inner-product test on random directions
     for _ in range(2):
-        t = {n: rng.standard_normal(x[n].shape) for n in wrt}
-        c = [rng.standard_normal(s) for s in out_shapes]
+        t, c = gradcheck.directions(rng, {n: x[n].shape for n in wrt}, out_shapes)
         g = vjp(c)
         for n in wrt:
-            assert g[n].shape == x[n].shape, f"{case}: gradient of {n} has shape {g[n].shape}, not {x[n].shape}"
-        lhs = sum(float(np.sum(t[n] * g[n].astype(np.float64))) for n in wrt)
-        rhs = sum(float(np.sum(jt.astype(np.float64) * ci)) for jt, ci in zip(jvp(t), c))
-        scale = sum(float(np.sum(np.abs(t[n] * g[n]))) for n in wrt) + 1e-12
-        assert abs(lhs - rhs) <= case.tol * max(scale, 1.0) + 1e-9, \
-            f"{case}: <t, J^T c> = {lhs:.10g} but <J t, c> = {rhs:.10g}"
+            assert g[n].shape == x[n].shape, f"{where}gradient of {n} has shape {g[n].shape}, not {x[n].shape}"
+        lhs, rhs, scale = gradcheck.inner_product(t, g, jvp(t), c)
+        assert abs(lhs - rhs) <= tol * max(scale, 1.0) + 1e-9, \
+            f"{where}<t, J^T c> = {lhs:.10g} but <J t, c> = {rhs:.10g}"
 
     # full Jacobian on tiny shapes
     n_in = sum(x[n].size for n in wrt)
     n_out = sum(int(np.prod(s)) for s in out_shapes)
     if n_in <= full_jacobian_max and n_out <= full_jacobian_max:
-        rows = []
-        for k, s in enumerate(out_shapes):
-            for j in range(int(np.prod(s))):
-                c = [np.zeros(sh) for sh in out_shapes]
-                c[k].reshape(-1)[j] = 1.0
-                g = vjp(c)
-                rows.append(np.concatenate([g[n].reshape(-1) for n in wrt]))
-        jt_rows = np.array(rows)
-        cols = []
-        for n in wrt:
-            for j in range(x[n].size):
-                t = {m: np.zeros_like(x[m]) for m in wrt}
-                t[n].reshape(-1)[j] = 1.0
-                cols.append(np.concatenate([v.reshape(-1) for v in jvp(t)]))
-        j_fd = np.array(cols).T
-        np.testing.assert_allclose(jt_rows, j_fd, rtol=case.tol * 10, atol=case.tol * 10,
-                                   err_msg=f"{case}: Jacobian rows (backward) differ from finite differences")
+        jt_rows, j_fd = gradcheck.jacobian(vjp, jvp, {n: x[n] for n in wrt}, out_shapes)
+        np.testing.assert_allclose(jt_rows, j_fd, rtol=tol * 10, atol=tol * 10,
+                                   err_msg=f"{where}Jacobian rows (backward) differ from finite differences")
 
     # the float32 graph in stock onnxruntime agrees
-    fwd32, _ = _model(case, np.float32)
-    train32 = _build(fwd32, heads, wrt)
-    sess = runtime.session(train32)
     c = [rng.standard_normal(s) for s in out_shapes]
-    feeds = {n: v.astype(np.float32) for n, v in x.items()}
-    out_types = {o.name: o.type.tensor_type.elem_type for o in fwd32.graph.output}
-    for name, ci in zip(heads, c):
-        feeds[name + "_grad"] = ci.astype(helper.tensor_dtype_to_np_dtype(out_types[name]))
-    by_name = dict(zip([o.name for o in train32.graph.output], sess.run(None, feeds)))
+    got = gradcheck.float32_vjp(train32, x, dict(zip(heads, c)), wrt)
     expect = vjp(c)
     for n in wrt:
-        got, want = by_name[n + "_grad"], expect[n]
-        err = np.linalg.norm(got - want) / (np.linalg.norm(want) + 1e-6)
-        assert err <= case.tol32, f"{case}: float32 onnxruntime gradient of {n} off by {err:.2e} (relative)"
+        err = gradcheck.relative_error(got[n], expect[n])
+        assert err <= tol32, f"{where}float32 onnxruntime gradient of {n} off by {err:.2e} (relative)"

@@ -15,7 +15,9 @@ from onnx import helper as h
 from onnx import numpy_helper
 
 import onnxgrad
-from onnxgrad.check import check_training_graph, forward_model, to_float64
+from onnxgrad import gradcheck
+from onnxgrad.check import check_training_graph, forward_model
+from onnxgrad.gradcheck import to_float64
 from onnxgrad.cli import main
 from test_api import affine, scalar_model
 
@@ -158,6 +160,36 @@ def test_float64_conversion_covers_constants_and_casts():
                    if a.type == a.TENSOR)
     result = check_training_graph(onnxgrad.build_gradient(m), samples=0)
     assert result.precision == "float64" and result.passed
+
+
+def test_numerical_core_on_a_linear_map():
+    """onnxgrad.gradcheck, which `onnxgrad check` and the rule tests share, on f(x) = A x (J = A): both
+    Jacobians are A, the inner-product test balances, and one element moved by its index equals x ± eps e_j."""
+    rng = np.random.default_rng(0)
+    a, x = rng.standard_normal((3, 4)), {"x": rng.standard_normal(4), "flag": np.array(True)}
+
+    def f(feeds):
+        assert feeds["flag"] is x["flag"]  # inputs without a direction are fed unchanged
+        return [a @ feeds["x"]]
+
+    def vjp(c):
+        return {"x": a.T @ c[0]}
+
+    def jvp(t):
+        return gradcheck.central_difference(f, x, t, 1e-6)
+    rows, cols = gradcheck.jacobian(vjp, jvp, {"x": x["x"]}, [(3,)])
+    np.testing.assert_array_equal(rows, a)
+    np.testing.assert_allclose(cols, a, rtol=1e-8, atol=1e-9)
+    t, c = gradcheck.directions(rng, {"x": (4,)}, [(3,)])
+    lhs, rhs, scale = gradcheck.inner_product(t, vjp(c), jvp(t), c)
+    assert abs(lhs - rhs) <= 1e-8 * max(scale, 1.0) and scale > 0
+    value = rng.standard_normal((2, 3)).astype(np.float32)
+    unit = np.zeros((2, 3))
+    unit[1, 2] = 1.0
+    for by_index, along_unit in zip(gradcheck.perturb(value, 5, 1e-3), gradcheck.perturb(value, unit, 1e-3)):
+        assert by_index.dtype == np.float32
+        np.testing.assert_array_equal(by_index, along_unit)
+    assert gradcheck.relative_error(np.array([1.0, 2.0]), np.array([1.0, 2.0])) == 0.0
 
 
 def test_forward_model_keeps_only_what_the_loss_needs(trained):

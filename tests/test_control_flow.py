@@ -2,9 +2,9 @@
 Dropout; and the refusals, each naming the form and what to do.
 
 None of these fits the one-op table of tests/cases (see tests/cases/control.py), so each model is built here
-and goes through `check_gradients`, which runs the checker's tests on a whole model: the inner-product test
-<t, J^T c> = <J t, c> with J t by central differences, the full Jacobian on tiny shapes, and the float32
-training graph in onnxruntime against the float64 gradients. The recurrent ops are differentiated through
+and goes through `check_gradients`, which hands it to the checker's `check_model` (tests/gradcheck.py): the
+inner-product test <t, J^T c> = <J t, c> with J t by central differences, the full Jacobian on tiny shapes, and
+the float32 training graph in onnxruntime against the float64 gradients. The recurrent ops are differentiated through
 their unrolled form, so their finite differences are taken of that form (onnxruntime has no float64 LSTM or
 GRU kernel), and separate tests prove the unrolled forward equal to onnxruntime's own LSTM, GRU and RNN.
 LSTM, GRU and training BatchNorm are also checked against PyTorch autograd.
@@ -23,7 +23,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import onnxgrad
-from gradcheck import Runner
+from gradcheck import Runner, check_model
 from onnxgrad import runtime
 from onnxgrad.errors import UnsupportedError
 from onnxgrad.ir import from_model
@@ -48,74 +48,22 @@ def check_gradients(graph_fn, heads, wrt, feeds, *, opset=18, lowered=False, tol
     differentiated). `lowered`: take finite differences of the training graph's forward part."""
     rng = np.random.default_rng(seed)
     fwd = _make(graph_fn, np.float64, opset)
-    train = _train(fwd, heads, wrt)
-    b = Runner(train)
+    b = Runner(_train(fwd, heads, wrt))
     shapes = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in fwd.graph.output}
     f = None if lowered else Runner(fwd)
 
-    def run_heads(x, c):
-        feeds_c = dict(x)
-        feeds_c.update({n + "_grad": ci for n, ci in zip(heads, c)})
-        return dict(zip(b.outputs, b(feeds_c)))
+    def backward(x):
+        return dict(zip(b.outputs, b(x)))
 
     def forward(x):
         if lowered:
-            out = run_heads(x, [np.zeros(shapes[n]) for n in heads])
+            out = backward({**x, **{n + "_grad": np.zeros(shapes[n]) for n in heads}})
             return [out[n] for n in heads]
         return [y for o, y in zip(f.outputs, f(x)) if o in heads]
 
-    def vjp(c):
-        out = run_heads(feeds, c)
-        return {n: out[n + "_grad"] for n in wrt}
-
-    def jvp(t):
-        eps = 1e-6
-        plus = forward({n: v + eps * t[n] if n in t else v for n, v in feeds.items()})
-        minus = forward({n: v - eps * t[n] if n in t else v for n, v in feeds.items()})
-        return [(p - m) / (2 * eps) for p, m in zip(plus, minus)]
-
-    out_shapes = [shapes[n] for n in heads]
-    for _ in range(2):
-        t = {n: rng.standard_normal(feeds[n].shape) for n in wrt}
-        c = [rng.standard_normal(s) for s in out_shapes]
-        g = vjp(c)
-        for n in wrt:
-            assert g[n].shape == feeds[n].shape, f"gradient of {n} has shape {g[n].shape}"
-        lhs = sum(float(np.sum(t[n] * g[n])) for n in wrt)
-        rhs = sum(float(np.sum(jt * ci)) for jt, ci in zip(jvp(t), c))
-        scale = sum(float(np.sum(np.abs(t[n] * g[n]))) for n in wrt) + 1e-12
-        assert abs(lhs - rhs) <= tol * max(scale, 1.0) + 1e-9, f"<t, J^T c> = {lhs:.10g} but <J t, c> = {rhs:.10g}"
-
-    n_in = sum(feeds[n].size for n in wrt)
-    n_out = sum(int(np.prod(s)) for s in out_shapes)
-    if n_in <= 48 and n_out <= 48:
-        rows = []
-        for k, s in enumerate(out_shapes):
-            for j in range(int(np.prod(s))):
-                c = [np.zeros(sh) for sh in out_shapes]
-                c[k].reshape(-1)[j] = 1.0
-                g = vjp(c)
-                rows.append(np.concatenate([g[n].reshape(-1) for n in wrt]))
-        cols = []
-        for n in wrt:
-            for j in range(feeds[n].size):
-                t = {m: np.zeros_like(feeds[m]) for m in wrt}
-                t[n].reshape(-1)[j] = 1.0
-                cols.append(np.concatenate([v.reshape(-1) for v in jvp(t)]))
-        np.testing.assert_allclose(np.array(rows), np.array(cols).T, rtol=tol * 10, atol=tol * 10,
-                                   err_msg="Jacobian rows (backward) differ from finite differences")
-
     train32 = _train(_make(graph_fn, np.float32, opset), heads, wrt)
-    sess = runtime.session(train32)
-    c = [rng.standard_normal(s) for s in out_shapes]
-    feeds32 = {n: v.astype(np.float32) for n, v in feeds.items() if v.dtype == np.float64}
-    feeds32.update({n: v for n, v in feeds.items() if v.dtype != np.float64})
-    feeds32.update({n + "_grad": ci.astype(np.float32) for n, ci in zip(heads, c)})
-    got = dict(zip([o.name for o in train32.graph.output], sess.run(None, feeds32)))
-    want = vjp(c)
-    for n in wrt:
-        err = np.linalg.norm(got[n + "_grad"] - want[n]) / (np.linalg.norm(want[n]) + 1e-6)
-        assert err <= tol32, f"float32 onnxruntime gradient of {n} off by {err:.2e} (relative)"
+    check_model(forward, backward, feeds, wrt, heads, [shapes[n] for n in heads], [np.float64] * len(heads), train32,
+                rng, eps=1e-6, tol=tol, tol32=tol32)
 
 
 def vi(name, elem, shape):
