@@ -58,17 +58,42 @@ def _window(ctx, sizes: list[int], kernel: list[int]):
 
 
 def _transposed_placement(sizes, out, kernel, strides, dilations, begin):
-    """ConvTranspose pads and output_padding that map an `out` grid back onto exactly `sizes` positions.
+    """Symmetric ConvTranspose pads, output_padding and a crop that map an `out` grid back onto `sizes` positions.
 
     The uncropped transposed result covers s*(out-1) + (k-1)*d + 1 positions starting at -begin; whatever runs
-    past the end of x is cropped by the end pad, a shortfall (x positions no window reaches) is output_padding.
+    past the end of x must be cropped, a shortfall (x positions no window reaches) is zeros at the end. The CUDA
+    provider refuses a ConvTranspose with unequal begin and end pads (cuDNN), so the pads are equal: p = begin
+    with output_padding q = begin - overhang where 0 <= q < stride (the common case, e.g. a stride-2 pad-1 Conv
+    on an even size), else p = min(begin, overhang) and a Slice crops the rest. Returns (pads, output_padding or
+    None, crop starts or None); the crop, when there is one, takes `sizes` positions from those starts.
     """
-    end, extra = [], []
+    pads, extra, starts = [], [], []
     for size, o, k, s, d, b in zip(sizes, out, kernel, strides, dilations, begin):
         overhang = s * (o - 1) + (k - 1) * d + 1 - b - size
-        end.append(max(overhang, 0))
-        extra.append(max(-overhang, 0))
-    return list(begin) + end, (extra if any(extra) else None)
+        if 0 <= b - overhang < s:
+            p, q = b, b - overhang
+        else:
+            p, q = min(b, max(overhang, 0)), max(-overhang, 0)
+        pads.append(p)
+        extra.append(q)
+        starts.append(b - p)
+    length = [s * (o - 1) + (k - 1) * d + 1 + q - 2 * p
+              for o, k, s, d, p, q in zip(out, kernel, strides, dilations, pads, extra)]
+    crop = any(st or n != size for st, n, size in zip(starts, length, sizes))
+    return pads + pads, (extra if any(extra) else None), (starts if crop else None)
+
+
+def _conv_transpose_onto(ctx, g, w, sizes, out, kernel, strides, dilations, begin, group=1):
+    """ConvTranspose of g with w whose result lands exactly on the `sizes` grid (see _transposed_placement)."""
+    op = ctx.op
+    pads, extra, starts = _transposed_placement(sizes, out, kernel, strides, dilations, begin)
+    gx = op.ConvTranspose(g, w, strides=strides, dilations=dilations, pads=pads, output_padding=extra,
+                          group=group, kernel_shape=kernel)
+    if starts is not None:
+        n = len(sizes)
+        gx = op.Slice(gx, op.ints(starts), op.ints([st + size for st, size in zip(starts, sizes)]),
+                      op.ints(range(2, n + 2)))
+    return gx
 
 
 @rule("Conv", since=13, limits="spatial dims of X and W must be static")
@@ -84,9 +109,7 @@ def conv(ctx):
                                   f"dilation {d}, pads ({b}, {e})")
     gx = gw = gb = None
     if ctx.needs(0):
-        pads, extra = _transposed_placement(sizes, out, kernel, strides, dilations, begin)
-        gx = op.ConvTranspose(gy, w, strides=strides, dilations=dilations, pads=pads, output_padding=extra,
-                              group=group, kernel_shape=kernel)
+        gx = _conv_transpose_onto(ctx, gy, w, sizes, out, kernel, strides, dilations, begin, group)
     if ctx.needs(1):
         gw = _conv_weight_grad(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations, begin, end)
     if ctx.needs(2):
@@ -219,10 +242,9 @@ def average_pool(ctx):
     else:
         scaled = op.Mul(gy, ctx.const_like(inverse, x))
     # Batch and channels fold into one axis, so a single-channel ones kernel serves any channel count.
-    pads, extra = _transposed_placement(sizes, out, kernel, strides, dilations, begin)
     ones = ctx.const_like(np.ones([1, 1, *kernel]), x)
-    gx = op.ConvTranspose(op.Reshape(scaled, op.ints([-1, 1, *out])), ones, strides=strides, dilations=dilations,
-                          pads=pads, output_padding=extra, kernel_shape=kernel)
+    gx = _conv_transpose_onto(ctx, op.Reshape(scaled, op.ints([-1, 1, *out])), ones, sizes, out, kernel, strides,
+                              dilations, begin)
     return [ctx.reshape_like(gx, x)]
 
 

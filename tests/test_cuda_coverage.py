@@ -1,0 +1,131 @@
+"""Every node onnxgrad writes has a kernel in onnxruntime's CUDA provider, in a form the provider accepts.
+
+A node without one runs on the CPU provider, with copies across the bus both ways, and nothing says so. The
+table of CUDA kernels and refused forms is onnxgrad/cuda.py (its source is named there). Checked here: the
+backward nodes of every rule case, and the nodes onnxgrad adds to the shipped models and to the real-export
+models (gradient, loss, optimizer). Nodes of the forward model itself are the model's own (a SoftmaxCrossEntropyLoss,
+a Pad of int64 labels): `build-grad --verbose` names them, and the tests here list the ones they meet.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import onnxgrad
+from gradcheck import _build, _model, float_outputs
+from onnxgrad.cuda import cuda_coverage, cuda_fallbacks, fallback_nodes, node_fallback
+from test_rules import ALL_CASES
+
+MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
+# The forward models' own nodes that the CUDA provider has no kernel for (the training build has one).
+FORWARD_FALLBACKS = {"mlp": {"SoftmaxCrossEntropyLoss"}, "cnn": {"SoftmaxCrossEntropyLoss"}, "transformer": set()}
+
+
+def added_fallbacks(forward: onnx.ModelProto, train: onnx.ModelProto) -> list[str]:
+    """Fallback nodes of `train` that are not nodes of `forward` (matched by name: onnxgrad keeps them)."""
+    own = {n.name for n in forward.graph.node}
+    return [str(f) for f in fallback_nodes(train) if f.node.split("/")[0] not in own]
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=str)
+def test_backward_nodes_of_every_rule_case_run_on_cuda(case):
+    fwd, wrt = _model(case, np.float32)
+    train = _build(fwd, float_outputs(fwd), wrt)
+    assert not added_fallbacks(fwd, train)
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD_FALLBACKS))
+@pytest.mark.parametrize("optimizer", [None, "sgd", "adamw"])
+def test_shipped_models_training_and_step_graphs(name, optimizer):
+    fwd = onnx.load(str(MODELS_DIR / f"{name}.onnx"))
+    train = onnxgrad.build_gradient(fwd, optimizer=optimizer)
+    assert not added_fallbacks(fwd, train)
+    assert {f.op_type for f in fallback_nodes(train)} == FORWARD_FALLBACKS[name]
+    ran, total = cuda_coverage(train)
+    assert total - ran == sum(f.op_type in FORWARD_FALLBACKS[name] for f in fallback_nodes(train))
+
+
+@pytest.mark.xfail(strict=True, reason="the appended cross-entropy loss is a SoftmaxCrossEntropyLoss node "
+                                       "(onnxgrad/losses.py), which the CUDA provider has no kernel for")
+def test_appended_cross_entropy_runs_on_cuda():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])
+    logits = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [4, 5])
+    w = onnx.numpy_helper.from_array(np.ones((3, 5), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["logits"], name="mm")], "g", [x], [logits], [w])
+    fwd = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    train = onnxgrad.build_gradient(fwd, loss_fn="cross-entropy", target="logits")
+    assert not added_fallbacks(fwd, train)
+
+
+# -- the real-export models (torch.onnx, dynamo) --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real_exports(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    import real_models
+    out = {}
+    for name in real_models.MODELS:
+        model, args = real_models.make(name)
+        path = str(tmp_path_factory.mktemp(name) / f"{name}.onnx")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(model, args, path, dynamo=True, optimize=True)
+        out[name] = onnx.load(path)
+    return out
+
+
+def test_real_export_models_backward_runs_on_cuda(real_exports):
+    problems = {}
+    for name, fwd in real_exports.items():
+        lines = added_fallbacks(fwd, onnxgrad.build_gradient(fwd))
+        if lines:
+            problems[name] = lines
+    assert not problems
+
+
+# -- the table and the refused forms ---------------------------------------------------------------------------
+
+
+def test_asymmetric_conv_transpose_is_refused_and_symmetric_runs():
+    types = {"x": TensorProto.FLOAT, "w": TensorProto.FLOAT, "y": TensorProto.FLOAT}
+    asym = helper.make_node("ConvTranspose", ["x", "w"], ["y"], pads=[1, 1, 0, 0], strides=[2, 2])
+    sym = helper.make_node("ConvTranspose", ["x", "w"], ["y"], pads=[1, 1, 1, 1], strides=[2, 2],
+                           output_padding=[1, 1])
+    same = helper.make_node("ConvTranspose", ["x", "w"], ["y"], auto_pad="SAME_UPPER", strides=[2, 2])
+    assert "asymmetric pads" in node_fallback(asym, 18, types)
+    assert node_fallback(sym, 18, types) is None
+    assert "auto_pad" in node_fallback(same, 18, types)
+
+
+def test_types_versions_and_missing_ops():
+    f32, i64, f64 = TensorProto.FLOAT, TensorProto.INT64, TensorProto.DOUBLE
+    pad = helper.make_node("Pad", ["a", "p"], ["b"])
+    assert node_fallback(pad, 18, {"a": f32, "p": i64, "b": f32}) is None
+    assert "T=int64" in node_fallback(pad, 18, {"a": i64, "p": i64, "b": i64})
+    where = helper.make_node("Where", ["c", "a", "b"], ["y"])
+    assert "T=bool" in node_fallback(where, 18, {"c": TensorProto.BOOL, "a": TensorProto.BOOL,
+                                                 "b": TensorProto.BOOL, "y": TensorProto.BOOL})
+    gelu = helper.make_node("Gelu", ["a"], ["b"])
+    assert node_fallback(gelu, 20, {"a": f64, "b": f64}) is None
+    sce = helper.make_node("SoftmaxCrossEntropyLoss", ["s", "l"], ["z"])
+    assert "no CUDA kernel" in node_fallback(sce, 18, {"s": f32, "l": i64, "z": f32})
+    clip = helper.make_node("Clip", ["a"], ["b"])
+    assert "T=int32" in node_fallback(clip, 18, {"a": TensorProto.INT32, "b": TensorProto.INT32})
+    assert node_fallback(helper.make_node("Constant", [], ["c"], value_float=1.0), 18, {}) is None
+
+
+def test_fallback_lines_name_node_and_phase():
+    x = helper.make_tensor_value_info("x", TensorProto.INT64, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.INT64, [2, 5])
+    pads = onnx.numpy_helper.from_array(np.array([0, 1, 0, 1], np.int64), "pads")
+    graph = helper.make_graph([helper.make_node("Pad", ["x", "pads"], ["y"], name="pad_labels")], "g", [x], [y],
+                              [pads])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    model.metadata_props.add(key="onnxgrad.phases", value='[["forward",1]]')
+    assert cuda_fallbacks(model) == ["Pad node 'pad_labels' [forward]: no CUDA kernel for the types T=int64"]
+    assert cuda_coverage(model) == (0, 1)
