@@ -23,7 +23,9 @@ from .errors import InvalidModelError, OnnxgradError, UsageError
 log = logging.getLogger("onnxgrad")
 
 MIN_OPSET = 13   # older models are upgraded to this opset
-MAX_OPSET = 23   # newest opset whose operator forms the rules cover
+# The newest opset the installed onnx defines. Rules are registered per opset range, so an op whose newer version
+# changed its meaning has a rule that stops at the last version it covers, and the gradient pass names that op.
+MAX_OPSET = onnx.defs.onnx_opset_version()
 
 
 def read_model(model: str | os.PathLike | onnx.ModelProto, *, load_external_data: bool = True) -> onnx.ModelProto:
@@ -137,7 +139,8 @@ def upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
     """Models below MIN_OPSET are converted up; models above MAX_OPSET are refused."""
     opset = model_opset(model)
     if opset > MAX_OPSET:
-        raise InvalidModelError(f"opset {opset} is newer than the newest supported opset {MAX_OPSET}")
+        raise InvalidModelError(f"opset {opset} is newer than the newest opset the installed onnx "
+                                f"{onnx.__version__} defines ({MAX_OPSET})")
     if opset >= MIN_OPSET:
         return model
     try:

@@ -1,0 +1,470 @@
+"""Gradient rules: the fused ops of the newest opsets (Attention, RMSNormalization, RotaryEmbedding, Swish).
+
+Attention keeps its fused forward kernel and gets a memory-efficient backward: the probabilities P (one
+[B, H, Sq, Skv] tensor per layer) are not kept from the forward pass but recomputed from Q and K inside the
+backward, as FlashAttention's backward does, so between the passes only Q, K, V and Y stay alive. The
+recomputation is tied to the incoming gradient: Q enters the backward through a Concat with dY (and a Split),
+so the score product and everything after it depend on dY and no execution order can run them during the
+forward pass, where P would stay alive until the backward. The products are Einsums: they read K and V in their
+own layout (no transposed copies) and sum the query heads of a grouped-query layer into their shared key and
+value head (`bhgqk,bhgqd->bhkd`).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from ..builder import unbroadcast
+from ..registry import rule
+
+_LOW_PRECISION = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+# -- shapes --------------------------------------------------------------------------------------------------
+def _dim(ctx, v, axis: int):
+    """Axis `axis` of v: an int when static, else a 1-element int64 Value (a Shape slice)."""
+    d = v.shape[axis] if v.shape is not None else None
+    if isinstance(d, int):
+        return d
+    axis = axis % ctx.rank(v)
+    return ctx.op.Shape(v, start=axis, end=axis + 1)
+
+
+def _shape(ctx, parts):
+    """A 1-D int64 shape from ints and 1-element Values: a constant when every part is an int."""
+    if all(isinstance(p, int) for p in parts):
+        return ctx.op.ints(parts)
+    return ctx.op.Concat(*[ctx.op.ints([p]) if isinstance(p, int) else p for p in parts], axis=0)
+
+
+def _reshape(ctx, v, parts):
+    """Reshape v; a 0 part copies v's dim at that index (allowzero=0)."""
+    return ctx.op.Reshape(v, _shape(ctx, parts))
+
+
+def _scalar(ctx, d):
+    """A dim (int or 1-element Value) as an int64 scalar."""
+    if isinstance(d, int):
+        return ctx.op.const(np.int64(d), TensorProto.INT64)
+    return ctx.op.Squeeze(d, ctx.op.ints([0]))
+
+
+def _cast(ctx, v, from_type: int, to_type: int):
+    return v if v is None or from_type == to_type else ctx.op.Cast(v, to=to_type)
+
+
+def _int_attr(ctx, name: str, default: int | None = None) -> int | None:
+    return ctx.attr(name, default) if ctx.node.has_attr(name) else default
+
+
+# -- Attention -----------------------------------------------------------------------------------------------
+class _Heads:
+    """How an Attention node lays out its operands, and the Einsum subscripts that read them in place.
+
+    Q-side tensors (Q, dY, dQ) are viewed with the query heads split into (kv head h, group g) when the layer
+    is grouped; K-side tensors (K, V and their gradients) keep their layout: `bhkd` for 4-D inputs and for the
+    present key/value of a cache, `bkhd` for 3-D inputs viewed as heads.
+    """
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        q, k, v = ctx.I(0), ctx.I(1), ctx.I(2)
+        self.rank = rank = ctx.rank(q)
+        if rank == 3:
+            self.hq, self.hkv = _int_attr(ctx, "q_num_heads"), _int_attr(ctx, "kv_num_heads")
+            if not self.hq or not self.hkv:
+                raise ctx.unsupported("3-D Q, K, V need the q_num_heads and kv_num_heads attributes")
+        elif rank == 4:
+            self.hq, self.hkv = q.shape[1], k.shape[1]
+            if not isinstance(self.hq, int) or not isinstance(self.hkv, int):
+                raise ctx.unsupported("the number of heads of Q and K must be static")
+        else:
+            raise ctx.unsupported(f"Q has rank {rank}; the op takes 3-D or 4-D Q, K, V")
+        if self.hq % self.hkv:
+            raise ctx.unsupported(f"{self.hq} query heads do not divide into {self.hkv} key/value heads")
+        self.group = self.hq // self.hkv
+        self.dq = self._head_size(q, self.hq)
+        self.dv = self._head_size(v, self.hkv)
+        self.cached = ctx.I(4) is not None
+        grouped = "hg" if self.group > 1 else "h"
+        self.q_sub = f"b{grouped}qd" if rank == 4 else f"bq{grouped}d"
+        self.k_sub = "bhkd" if rank == 4 or self.cached else "bkhd"
+        self.s_sub = f"b{grouped}qk"
+
+    def _head_size(self, v, heads: int):
+        last = v.shape[-1] if v.shape is not None else None
+        if not isinstance(last, int):
+            return None
+        return last if self.rank == 4 else last // heads
+
+    def q_view(self, v, like):
+        """A Q-side tensor (input layout, shaped like `like` but for the last axis) in the layout of q_sub."""
+        ctx = self.ctx
+        if self.rank == 3:
+            heads = [self.hkv, self.group] if self.group > 1 else [self.hq]
+            return _reshape(ctx, v, [0, 0, *heads, -1])
+        if self.group == 1:
+            return v
+        return _reshape(ctx, v, [0, self.hkv, self.group, _dim(ctx, like, 2), -1])
+
+    def q_unview(self, v, like):
+        """A tensor in the layout of q_sub back in the input layout of `like`."""
+        ctx = self.ctx
+        if self.rank == 3:
+            return _reshape(ctx, v, [0, 0, -1])
+        if self.group == 1:
+            return v
+        return _reshape(ctx, v, [0, self.hq, _dim(ctx, like, 2), -1])
+
+    def k_view(self, v):
+        """A 3-D K or V viewed as [B, Skv, H, D]; 4-D ones as they are."""
+        return v if self.rank == 4 else _reshape(self.ctx, v, [0, 0, self.hkv, -1])
+
+    def k_as_4d(self, v):
+        """K or V as [B, H, Skv, D], the layout of past and present key/value."""
+        return v if self.rank == 4 else self.ctx.op.Transpose(self.k_view(v), perm=[0, 2, 1, 3])
+
+    def k_unview(self, g, like):
+        """A K-side gradient (layout k_sub) in the layout of `like`, a K or V input."""
+        ctx = self.ctx
+        if self.rank == 4:
+            return g
+        if self.k_sub == "bhkd":
+            g = ctx.op.Transpose(g, perm=[0, 2, 1, 3])
+        return _reshape(ctx, g, [0, 0, -1])
+
+    def scores_4d(self, s, q):
+        """[B, h, g, Sq, Skv] scores as [B, Hq, Sq, Skv], the layout masks broadcast against."""
+        if self.group == 1:
+            return s
+        sq = _dim(self.ctx, q, 2 if self.rank == 4 else 1)
+        return _reshape(self.ctx, s, [0, self.hq, sq, -1])
+
+    def scores_grouped(self, s, q):
+        if self.group == 1:
+            return s
+        sq = _dim(self.ctx, q, 2 if self.rank == 4 else 1)
+        return _reshape(self.ctx, s, [0, self.hkv, self.group, sq, -1])
+
+    def einsum(self, a_sub: str, b_sub: str, out_sub: str, a, b):
+        return self.ctx.op.Einsum(a, b, equation=f"{a_sub},{b_sub}->{out_sub}")
+
+
+def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
+    """The keys each query may attend as a boolean tensor broadcastable to [B, Hq, Sq, Skv] (None: all), the
+    float mask added to the scores (None: none), padded to Skv, and `alive`, [.., Sq, 1], false on rows where
+    no key is allowed (their probabilities are 0, as the op defines)."""
+    op = ctx.op
+    mask, nonpad = ctx.I(3), ctx.I(6) if ctx.num_inputs > 6 else None
+    sq = _dim(ctx, q, 2 if heads.rank == 4 else 1)
+    skv = _dim(ctx, kv_total, 2 if heads.rank == 4 or heads.cached else 1)
+    allowed, float_mask = [], None
+    if mask is not None:
+        padded = mask
+        m_len = mask.shape[-1] if mask.shape else None
+        if not (isinstance(m_len, int) and isinstance(skv, int) and m_len == skv):
+            # a shorter last axis is padded to Skv with "not allowed" (-inf for a float mask)
+            width = op.Sub(_shape(ctx, [skv]), op.Shape(mask, start=-1))
+            pads = _shape(ctx, [0] * (ctx.rank(mask) * 2 - 1) + [width])
+            if mask.elem_type == TensorProto.BOOL:
+                padded = op.Cast(op.Pad(op.Cast(mask, to=TensorProto.INT32), pads,
+                                        op.const(np.int32(0), TensorProto.INT32)), to=TensorProto.BOOL)
+            else:
+                padded = op.Pad(mask, pads, ctx.const_like(-np.inf, mask))
+        if mask.elem_type == TensorProto.BOOL:
+            allowed.append(padded)
+        else:
+            float_mask = padded
+            allowed.append(op.Not(op.IsInf(padded, detect_positive=0)))
+    causal = ctx.attr("is_causal", 0)
+    left, right = ctx.attr("left_window_size", -1), ctx.attr("right_window_size", -1)
+    if nonpad is not None:
+        # keys past each sample's valid length are padding; the causal frontier is aligned to that length
+        keys = op.Range(_scalar(ctx, 0), _scalar(ctx, skv), _scalar(ctx, 1))
+        lengths = op.Reshape(nonpad, op.ints([-1, 1, 1, 1]))
+        allowed.append(op.Less(keys, lengths))
+        offset = op.Sub(lengths, op.Reshape(_scalar(ctx, sq), op.ints([1])))
+    else:
+        offset = None if past_len is None else op.Reshape(_scalar(ctx, past_len), op.ints([1]))
+    if causal or left >= 0 or right >= 0:
+        rows = op.Unsqueeze(op.Range(_scalar(ctx, 0), _scalar(ctx, sq), _scalar(ctx, 1)), op.ints([1]))
+        cols = op.Range(_scalar(ctx, 0), _scalar(ctx, skv), _scalar(ctx, 1))
+        position = rows if offset is None else op.Add(rows, offset)   # the query's absolute position
+        ahead = op.Sub(cols, position)                                  # key index minus query position
+        if causal:
+            allowed.append(op.LessOrEqual(ahead, op.ints([0])))
+        if right >= 0:
+            allowed.append(op.LessOrEqual(ahead, op.ints([right])))
+        if left >= 0:
+            allowed.append(op.GreaterOrEqual(ahead, op.ints([-left])))
+    if not allowed:
+        return None, None, None
+    both = allowed[0]
+    for a in allowed[1:]:
+        both = op.And(both, a)
+    # int32, not float: the row test reads forward values only and must not be a float as large as the scores
+    alive = op.Greater(op.ReduceMax(op.Cast(both, to=TensorProto.INT32), op.ints([-1]), keepdims=1),
+                       op.const(np.int32(0), TensorProto.INT32))
+    return both, float_mask, alive
+
+
+@rule("Attention", since=23, wrt=(0, 1, 2, 3, 4, 5),
+      limits="static head counts (and head size when scale is not given); qk_matmul_output's gradient in mode 0 "
+             "with softcap (the spec and the reference differ)")
+def attention(ctx):
+    """Y = P V, P = softmax(scale*Q K^T (softcapped) + bias), P recomputed: dV = P^T dY, dP = dY V^T,
+    dL = P*(dP - rowsum(dY*Y)), dQ = scale*dL K, dK = scale*dL^T Q (through softcap: dL*(1 - t^2))"""
+    op = ctx.op
+    q, k, v = ctx.I(0), ctx.I(1), ctx.I(2)
+    mask, past_k, past_v = ctx.I(3), ctx.I(4), ctx.I(5)
+    heads = _Heads(ctx)
+    t = ctx.elem_type(q)
+    scale = ctx.attr("scale", None)
+    if scale is None:
+        if heads.dq is None:
+            raise ctx.unsupported("the head size of Q is not static, so the default scale 1/sqrt(head size) is "
+                                  "unknown (give the scale attribute or bind the shape)")
+        scale = 1.0 / math.sqrt(heads.dq)
+    softcap = ctx.attr("softcap", 0.0) or 0.0
+    mode = ctx.attr("qk_matmul_output_mode", 0)
+    g_qk = ctx.GO(3)
+    if g_qk is not None and mode == 0 and softcap > 0:
+        raise ctx.unsupported("a gradient through qk_matmul_output in mode 0 with softcap: the spec says the raw "
+                              "product, the reference evaluator gives the softcapped one")
+
+    # K and V as the op reads them: the present key/value when a cache is concatenated in front
+    def total(i_in, i_past, i_present):
+        present = ctx.node.outputs[i_present] if len(ctx.node.outputs) > i_present else None
+        if ctx.I(i_past) is None:
+            return heads.k_view(ctx.I(i_in))
+        if present is not None and present.name:
+            return present
+        return op.Concat(ctx.I(i_past), heads.k_as_4d(ctx.I(i_in)), axis=2)
+    k_total, v_total = total(1, 4, 1), total(2, 5, 2)
+    past_len = _dim(ctx, past_k, 2) if past_k is not None else None
+
+    # Q through the gradient: Concat with dY and Split again (see the module docstring)
+    gy = ctx.GO_or_zeros(0)
+    y = ctx.O(0)
+    tied = op.Concat(q, gy, axis=-1)
+    q_last, gy_last = _dim(ctx, q, -1), _dim(ctx, y, -1)
+    q_tied, gy_tied = op.Split(tied, _shape(ctx, [q_last, gy_last]), axis=-1, outputs=2)
+    qs = op.Mul(heads.q_view(q_tied, q), ctx.const_like(scale, q))      # scale * Q, in the q_sub layout
+    gyv = heads.q_view(gy_tied, q)
+    sub_q, sub_k, sub_s = heads.q_sub, heads.k_sub, heads.s_sub
+
+    # recompute the probabilities
+    scores = heads.scores_4d(heads.einsum(sub_q, sub_k, sub_s, qs, k_total), q)
+    capped = tanh = None
+    if softcap > 0:
+        tanh = op.Tanh(op.Div(scores, ctx.const_like(softcap, q)))
+        capped = op.Mul(tanh, ctx.const_like(softcap, q))
+    logits = capped if capped is not None else scores
+    allowed, float_mask, alive = _attention_allowed(ctx, heads, q, k_total, past_len)
+    if float_mask is not None:
+        logits = op.Add(logits, _cast(ctx, float_mask, ctx.elem_type(mask), t))
+    if allowed is not None:
+        logits = op.Where(allowed, logits, ctx.const_like(-np.inf, q))
+    precision = ctx.attr("softmax_precision", None)
+    if precision and precision != t:
+        probs = op.Cast(op.Softmax(op.Cast(logits, to=precision), axis=-1), to=t)
+    else:
+        probs = op.Softmax(logits, axis=-1)
+    zero = ctx.const_like(0.0, q)
+    if alive is not None:
+        probs = op.Where(alive, probs, zero)   # rows with no key allowed are 0, not NaN
+
+    # backward through softmax: dL = P * (dP - rowsum(P * dP)), rowsum(P * dP) = rowsum(dY * Y)
+    g_probs = heads.scores_4d(heads.einsum(sub_q, sub_k, sub_s, gyv, v_total), q)
+    if g_qk is not None and mode == 3:
+        g_probs = op.Add(g_probs, g_qk)
+        row = op.ReduceSum(op.Mul(probs, g_probs), op.ints([-1]), keepdims=1)
+    elif heads.rank == 4:
+        row = op.ReduceSum(op.Mul(gy, y), op.ints([-1]), keepdims=1)
+    else:  # [B, Sq, Hq*Dv] -> [B, Hq, Sq, 1]
+        per_head = op.ReduceSum(_reshape(ctx, op.Mul(gy, y), [0, 0, heads.hq, -1]), op.ints([-1]), keepdims=0)
+        row = op.Unsqueeze(op.Transpose(per_head, perm=[0, 2, 1]), op.ints([-1]))
+    g_logits = op.Mul(probs, op.Sub(g_probs, row))
+    if g_qk is not None and mode == 2:
+        g_logits = op.Add(g_logits, g_qk)
+    g_mask = None
+    if ctx.needs(3):
+        g_mask = g_logits
+        m_len = mask.shape[-1] if mask.shape else None
+        skv = _dim(ctx, k_total, 2 if heads.rank == 4 or heads.cached else 1)
+        if not (isinstance(m_len, int) and isinstance(skv, int) and m_len == skv):
+            g_mask = op.Slice(g_mask, op.ints([0]), op.Shape(mask, start=-1), op.ints([-1]))
+        g_mask = _cast(ctx, unbroadcast(ctx, g_mask, mask, _sized(g_mask, 4)), t, ctx.elem_type(mask))
+    g_scores = g_logits
+    if g_qk is not None and mode == 1:
+        g_scores = op.Add(g_scores, g_qk)
+    if tanh is not None:
+        g_scores = op.Sub(g_scores, op.Mul(op.Mul(g_scores, tanh), tanh))
+    if g_qk is not None and mode == 0:
+        g_scores = op.Add(g_scores, g_qk)
+    g_scores = heads.scores_grouped(g_scores, q)
+
+    gq = gk = gv = gpk = gpv = None
+    if ctx.needs(0):
+        gq = heads.q_unview(op.Mul(heads.einsum(sub_s, sub_k, sub_q, g_scores, k_total),
+                                   ctx.const_like(scale, q)), q)
+    if ctx.needs(1) or ctx.needs(4) or ctx.GO(1) is not None:
+        gk, gpk = _split_cache(ctx, heads, heads.einsum(sub_s, sub_q, sub_k, g_scores, qs), 1, 4)
+    if ctx.needs(2) or ctx.needs(5) or ctx.GO(2) is not None:
+        gv, gpv = _split_cache(ctx, heads, heads.einsum(sub_s, sub_q, sub_k, heads.scores_grouped(probs, q), gyv),
+                               2, 5)
+    grads = [gq, gk if ctx.needs(1) else None, gv if ctx.needs(2) else None, g_mask,
+             gpk if ctx.needs(4) else None, gpv if ctx.needs(5) else None, None]
+    return grads[:ctx.num_inputs]
+
+
+def _sized(v, rank: int):
+    """A rule-built Value with its rank made known to `unbroadcast` (its sizes are not)."""
+    v.shape = (None,) * rank
+    return v
+
+
+def _split_cache(ctx, heads: _Heads, g_total, i_in: int, i_past: int):
+    """The gradient of K (or V) and of its past cache from the gradient of the key/value the op attended."""
+    op = ctx.op
+    i_present = i_in  # present_key is output 1 and K input 1; present_value output 2 and V input 2
+    g_present = ctx.GO(i_present)
+    if g_present is not None:
+        g_total = op.Add(g_total, g_present if heads.k_sub == "bhkd" else op.Transpose(g_present, perm=[0, 2, 1, 3]))
+    x, past = ctx.I(i_in), ctx.I(i_past)
+    if past is None:
+        return heads.k_unview(g_total, x), None
+    new_len = _dim(ctx, x, 2 if heads.rank == 4 else 1)
+    g_past, g_new = op.Split(g_total, _shape(ctx, [_dim(ctx, past, 2), new_len]), axis=2, outputs=2)
+    if heads.rank == 3:
+        g_new = _reshape(ctx, op.Transpose(g_new, perm=[0, 2, 1, 3]), [0, 0, -1])
+    return g_new, g_past
+
+
+# -- RMSNormalization ----------------------------------------------------------------------------------------
+@rule("RMSNormalization", since=23)
+def rms_normalization(ctx):
+    """y = x * r * scale, r = 1/sqrt(mean(x^2) + eps): dx = g*r - x * r^3 * mean(g*x) with g = dy*scale,
+    dscale = sum(dy * x * r)"""
+    op = ctx.op
+    x, scale, y = ctx.I(0), ctx.I(1), ctx.O(0)
+    rank = ctx.rank(x)
+    axes = op.ints(range(ctx.normalize_axis(ctx.attr("axis", -1), rank), rank))
+    x_type = ctx.elem_type(x)
+    stash = ctx.attr("stash_type", TensorProto.FLOAT)
+    work = TensorProto.FLOAT if stash == TensorProto.FLOAT and x_type in _LOW_PRECISION else x_type
+    xw = _cast(ctx, x, x_type, work)
+    gy = _cast(ctx, ctx.GO(0), ctx.elem_type(y), work)
+    # r from a sum of squares: a per-row statistic, with no input-sized intermediate
+    count = _count(ctx, x, axes, work)
+    r = op.Reciprocal(op.Sqrt(op.Add(op.Div(op.ReduceSumSquare(xw, axes, keepdims=1), count),
+                                     ctx.op.const(ctx.attr("epsilon", 1e-5), work))))
+    gx = gs = None
+    if ctx.needs(0):
+        g = op.Mul(gy, _cast(ctx, scale, ctx.elem_type(scale), work))
+        k = op.Mul(op.Mul(op.Mul(op.Div(op.ReduceSum(op.Mul(g, xw), axes, keepdims=1), count), r), r), r)
+        gx = _cast(ctx, op.Sub(op.Mul(g, r), op.Mul(xw, k)), work, x_type)
+    if ctx.needs(1):
+        gs = ctx.unbroadcast(_cast(ctx, op.Mul(op.Mul(gy, xw), r), work, ctx.elem_type(scale)), scale)
+    return [gx, gs]
+
+
+def _count(ctx, x, axes, elem_type):
+    """Elements per normalized row: static where the shape is, else Size(x) / Size(ReduceSum(x))."""
+    first = ctx.normalize_axis(ctx.attr("axis", -1), ctx.rank(x))
+    dims = x.shape[first:]
+    if all(isinstance(d, int) for d in dims):
+        return ctx.op.const(float(np.prod(dims)), elem_type)
+    return ctx.op.Cast(ctx.op.ReduceProd(ctx.op.Shape(x, start=first), keepdims=0), to=elem_type)
+
+
+# -- RotaryEmbedding -----------------------------------------------------------------------------------------
+def _rotary_signs(ctx, x, head_size: int, rotary: int, interleaved: bool, heads: int):
+    """+1/-1 along the last axis: -1 on the second element of each rotated pair. Negating the second element
+    before and after a rotation by theta rotates by -theta (F R(theta) F = R(-theta), F = diag(1, -1))."""
+    half = rotary // 2
+    pair = np.ones(head_size)
+    if interleaved:
+        pair[1:rotary:2] = -1.0
+    else:
+        pair[half:rotary] = -1.0
+    return ctx.const_like(np.tile(pair, heads), x)
+
+
+@rule("RotaryEmbedding", since=23, wrt=(0, 1, 2),
+      limits="static head size; cos_cache/sin_cache gradients with position_ids need a static cache shape")
+def rotary_embedding(ctx):
+    """y = R(theta) x on each rotated pair: dx = R(-theta) dy = F R(theta) F dy (F negates the pair's second
+    element); dcos = sum_h(dy1*x1 + dy2*x2), dsin = sum_h(dy2*x1 - dy1*x2)"""
+    op = ctx.op
+    x, cos, sin, positions = ctx.I(0), ctx.I(1), ctx.I(2), ctx.I(3)
+    gy = ctx.GO(0)
+    rank = ctx.rank(x)
+    num_heads = ctx.attr("num_heads", 0)
+    last = x.shape[-1] if x.shape else None
+    if not isinstance(last, int):
+        raise ctx.unsupported("the last axis of X must be static")
+    if rank == 3:
+        if not num_heads:
+            raise ctx.unsupported("3-D X needs the num_heads attribute")
+        head_size, tiles = last // num_heads, num_heads
+    else:
+        head_size, tiles = last, 1
+    rotary = ctx.attr("rotary_embedding_dim", 0) or head_size
+    interleaved = bool(ctx.attr("interleaved", 0))
+    attrs = {"interleaved": ctx.attr("interleaved", None), "num_heads": ctx.attr("num_heads", None),
+             "rotary_embedding_dim": ctx.attr("rotary_embedding_dim", None)}
+    gx = gc = gs = None
+    if ctx.needs(0):
+        signs = _rotary_signs(ctx, x, head_size, rotary, interleaved, tiles)
+        inputs = [op.Mul(gy, signs), cos, sin] + ([positions] if positions is not None else [])
+        gx = op.Mul(op.node("RotaryEmbedding", inputs, **attrs), signs)
+    if ctx.needs(1) or ctx.needs(2):
+        # per-element products in the layout [B, S, H, D] (4-D X is [B, H, S, D]), then the pair halves
+        head_axis = 2 if rank == 3 else 1
+        as_heads = (lambda v: _reshape(ctx, v, [0, 0, num_heads, -1])) if rank == 3 else (lambda v: v)
+        half = rotary // 2
+
+        def halves(v):
+            if interleaved:
+                return (op.Slice(v, op.ints([0]), op.ints([rotary]), op.ints([-1]), op.ints([2])),
+                        op.Slice(v, op.ints([1]), op.ints([rotary]), op.ints([-1]), op.ints([2])))
+            return (op.Slice(v, op.ints([0]), op.ints([half]), op.ints([-1])),
+                    op.Slice(v, op.ints([half]), op.ints([rotary]), op.ints([-1])))
+
+        def per_position(v):   # [B, S, H, r/2] or [B, H, S, r/2] -> [B, S, r/2]
+            return op.ReduceSum(v, op.ints([head_axis]), keepdims=0)
+
+        gy1, gy2 = halves(as_heads(gy))
+        xh = as_heads(x)
+        x1, x2 = halves(xh)
+        if ctx.needs(1):
+            gc = _rotary_cache_grad(ctx, per_position(op.Add(op.Mul(gy1, x1), op.Mul(gy2, x2))), cos, positions)
+        if ctx.needs(2):
+            gs = _rotary_cache_grad(ctx, per_position(op.Sub(op.Mul(gy2, x1), op.Mul(gy1, x2))), sin, positions)
+    return [gx, gc, gs, None][:ctx.num_inputs]
+
+
+def _rotary_cache_grad(ctx, per_position, cache, positions):
+    """[B, S, r/2] gradients summed into the cache rows that the positions read (or as they are)."""
+    if positions is None:
+        return per_position
+    op = ctx.op
+    zero = helper.make_tensor("", ctx.elem_type(cache), [1], [0])
+    zeros = op.ConstantOfShape(ctx.shape_of(cache), value=zero)
+    return op.ScatterND(zeros, op.Unsqueeze(positions, op.ints([-1])), per_position, reduction="add")
+
+
+# -- Swish (opset 24) ----------------------------------------------------------------------------------------
+@rule("Swish", since=24)
+def swish(ctx):
+    """y = x * s, s = sigmoid(alpha*x): dx = dy*s + alpha*(dy*y)*(1 - s)"""
+    x, y, gy, op = ctx.I(0), ctx.O(0), ctx.GO(0), ctx.op
+    alpha = ctx.attr("alpha", 1.0)
+    # s is a function of x alone (as Softplus's sigmoid): the one forward-only node
+    s = op.Sigmoid(op.Mul(x, ctx.const_like(alpha, x)) if alpha != 1.0 else x)
+    gys = op.Mul(gy, s)
+    gyy = op.Mul(op.Mul(gy, y), ctx.const_like(alpha, x)) if alpha != 1.0 else op.Mul(gy, y)
+    return [op.Add(gys, op.Sub(gyy, op.Mul(gyy, s)))]
