@@ -145,7 +145,7 @@ def _training_options(o: dict) -> dict:
 @cli.command("build-grad", epilog=EXIT_CODES_HELP)
 @click.argument("model", type=click.Path(dir_okay=True, path_type=str))
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=str),
-              help="Where to write the training graph (never the input; an existing file needs --force).")
+              help="Where to write the training graph (never the input; an existing file is replaced).")
 @click.option("--loss", metavar="NAME", help="The output to differentiate. Default: the only scalar output.")
 @click.option("--requires-grad", metavar="NAME", multiple=True,
               help="Differentiate with respect to these initializers or graph inputs only. "
@@ -162,7 +162,7 @@ def _training_options(o: dict) -> dict:
                    "external data, or when one file would pass protobuf's 2 GB limit.")
 @click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),
               help="Also write a JSON report: loss, parameters, outputs, node counts, rules used, seconds.")
-@click.option("-f", "--force", is_flag=True, help="Replace the output file if it exists.")
+@click.option("-f", "--force", is_flag=True, hidden=True, help="Accepted for old scripts; outputs are always replaced.")
 def build_grad(model, output, loss, requires_grad, frozen, also_grad, input_shape, dim, external_data, report, force,
                **training):
     """Write the training graph of MODEL: its outputs, then <param>_grad for each parameter (initializer
@@ -274,13 +274,33 @@ def run_cmd(train_model, steps, lr, data, dim, seed, provider, report):
 @click.option("--log-every", metavar="N", type=click.IntRange(1),
               help="When stderr is not a terminal, print a progress line every N steps (default: 10 lines).")
 @click.option("--quiet", "quiet_train", is_flag=True, help="No progress output.")
+@click.option("--zero1", is_flag=True, help="Under torchrun: keep each parameter's optimizer state on one process "
+              "only (ZeRO-1); owners broadcast their updated parameters.")
+@click.option("--bucket-mb", metavar="MB", type=click.FloatRange(0, min_open=True),
+              help="Under torchrun: gradients are all-reduced in buckets of about MB megabytes, in backward "
+                   "order [default: 25].")
+@click.option("--timeout", "timeout_s", metavar="SECONDS", type=click.FloatRange(0, min_open=True),
+              help="Under torchrun: a collective that takes longer (a process died or hangs) ends the run "
+                   "[default: 600].")
 @click.option("-f", "--force", is_flag=True, help="Replace existing --export and --report files.")
 def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_shuffle, provider, threads, lr,
-              checkpoint, checkpoint_every, resume, export, forward, report, log_every, quiet_train, force):
+              checkpoint, checkpoint_every, resume, export, forward, report, log_every, quiet_train, zero1, bucket_mb,
+              timeout_s, force):
     """Train with a step graph (written by build-grad --optimizer) in onnxruntime: parameters and optimizer
-    state stay on the device between steps; progress (loss, samples/s) goes to stderr, a summary to stdout."""
+    state stay on the device between steps; progress (loss, samples/s) goes to stderr, a summary to stdout.
+
+    Under torchrun, data-parallel: each process runs its share of every batch (--batch is the global batch)
+    and the gradients are averaged across processes; rank 0 prints, checkpoints, exports and reports."""
+    from . import distributed
     from .runner import StepGraphTrainer
 
+    parallel = distributed.launched()
+    if not parallel:
+        given = [flag for flag, value in (("--zero1", zero1), ("--bucket-mb", bucket_mb), ("--timeout", timeout_s))
+                 if value]
+        if given:
+            raise UsageError(f"{given[0]}: only under torchrun (data-parallel training); see the README, "
+                             f"\"Data-parallel training\"")
     if checkpoint_every and not checkpoint:
         raise UsageError("--checkpoint-every needs --checkpoint PATH")
     if forward and not export:
@@ -291,16 +311,27 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
     outputs = {flag: check_output_path(path, inputs, force) for flag, path in (("export", export), ("report", report))
                if path}
     checkpoint_path = check_output_path(checkpoint, inputs, True) if checkpoint else None
-    trainer = StepGraphTrainer(step_model, provider=provider, threads=threads, lr=lr)
+    if parallel:
+        trainer = distributed.DataParallelTrainer(
+            step_model, provider=provider, threads=threads, lr=lr, zero1=zero1,
+            bucket_mb=bucket_mb or distributed.DEFAULT_BUCKET_MB, timeout=timeout_s or distributed.DEFAULT_TIMEOUT_S)
+    else:
+        trainer = StepGraphTrainer(step_model, provider=provider, threads=threads, lr=lr)
+    lead = not parallel or trainer.rank == 0     # the process that prints and writes
     if resume:
         trainer.load_checkpoint(resume)
-    quiet = quiet_train or not log.isEnabledFor(logging.INFO)
+    quiet = quiet_train or not log.isEnabledFor(logging.INFO) or not lead
     result = trainer.fit(data, steps=steps, epochs=epochs, batch=batch, seed=seed, shuffle=not no_shuffle,
                          drop_last=not keep_last_batch, checkpoint=checkpoint_path,
                          checkpoint_every=checkpoint_every, progress="off" if quiet else "auto",
                          log_every=log_every)
+    if parallel:
+        trainer.close()
+        if not lead:
+            return
+    where = f"{trainer.device}, {trainer.world} processes" if parallel else trainer.device
     if result.losses:
-        click.echo(f"steps {result.first_step}-{result.steps} (epoch {result.epochs:.2f}, {trainer.device}): "
+        click.echo(f"steps {result.first_step}-{result.steps} (epoch {result.epochs:.2f}, {where}): "
                    f"loss {result.losses[0]:.6g} -> {result.losses[-1]:.6g}, "
                    f"{result.samples_per_second:,.0f} samples/s")
     else:
@@ -309,16 +340,22 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
         trainer.export(outputs["export"], forward=forward)
         click.echo(str(outputs["export"]))
     if "report" in outputs:
+        extra = {}
+        if parallel:
+            extra = {"world_size": trainer.world, "zero1": zero1,
+                     "allreduce_seconds": [round(s, 6) for s in trainer.comm_seconds[-len(result.losses):]],
+                     "allreduce_share": round(sum(trainer.comm_seconds[-len(result.losses):])
+                                              / max(sum(result.step_seconds), 1e-12), 6)}
         save_json(_report("train", {"input": step_model, "data": data, "device": trainer.device, "lr": trainer.lr,
                                     "seed": seed, "resumed_from": resume, "checkpoint": checkpoint,
-                                    "export": export, **result.to_json()}), outputs["report"])
+                                    "export": export, **result.to_json(), **extra}), outputs["report"])
 
 
 @cli.command("ops")
 @click.option("--markdown", is_flag=True, help="Print the table as Markdown (as in the README).")
 @click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),
               help="Also write the table as JSON: rules (op, opsets, inputs, limits) and ops with no gradient.")
-@click.option("-f", "--force", is_flag=True, help="Replace the report file if it exists.")
+@click.option("-f", "--force", is_flag=True, hidden=True, help="Accepted for old scripts; outputs are always replaced.")
 def ops_cmd(markdown, report, force):
     """List every op with a gradient rule, its opset range and limits, and the ops that pass no gradient."""
     from . import registry
@@ -351,7 +388,7 @@ def ops_cmd(markdown, report, force):
               help="Size of a symbolic dimension for the random data (default 2).")
 @click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),
               help="Also write the table as JSON (written when a gradient is off, too).")
-@click.option("-f", "--force", is_flag=True, help="Replace the report file if it exists.")
+@click.option("-f", "--force", is_flag=True, hidden=True, help="Accepted for old scripts; outputs are always replaced.")
 def check_cmd(train_model, samples, seed, tol, tol32, precision, loss, dim, report, force):
     """Check the gradients of a training graph (written by build-grad) numerically: on seeded random data,
     compare each <param>_grad output with central finite differences of the loss, for a sample of elements
@@ -375,11 +412,11 @@ def check_cmd(train_model, samples, seed, tol, tol32, precision, loss, dim, repo
 @cli.command("materialize", epilog=EXIT_CODES_HELP)
 @click.argument("model", type=click.Path(path_type=str))
 @click.option("-o", "--output", "output", required=True, type=click.Path(path_type=str),
-              help="Where to write the model with weights (never the input; an existing file needs --force).")
+              help="Where to write the model with weights (never the input; an existing file is replaced).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the random weights.")
 @click.option("--no-calibrate", is_flag=True,
               help="Skip the forward pass that rescales each Conv/Gemm/MatMul weight to unit output scale.")
-@click.option("-f", "--force", is_flag=True, help="Replace the output file if it exists.")
+@click.option("-f", "--force", is_flag=True, hidden=True, help="Accepted for old scripts; outputs are always replaced.")
 def materialize_cmd(model, output, seed, no_calibrate, force):
     """Give a weightless model random trainable weights: each ConstantOfShape placeholder (as in the onnx
     model zoo's light graphs shipped inside the onnx wheel) and each float Constant of 2+ elements becomes

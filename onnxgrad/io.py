@@ -18,8 +18,10 @@ class OutputError(OnnxgradError):
     exit_code = 5
 
 
-def check_output_path(out: str | os.PathLike, inputs: list[str | os.PathLike], force: bool) -> Path:
-    """Refuse to write over an input, or over an existing file without --force; the folder must exist."""
+def check_output_path(out: str | os.PathLike, inputs: list[str | os.PathLike], force: bool = False) -> Path:
+    """Refuse to write over an input; the folder must exist. An existing output is replaced (atomically, by the
+    writers below), as compilers and converters do, so a pipeline step can run twice; `force` is accepted
+    from callers written when replacing needed it, and changes nothing."""
     out = Path(out)
     for src in inputs:
         src = Path(src)
@@ -27,8 +29,6 @@ def check_output_path(out: str | os.PathLike, inputs: list[str | os.PathLike], f
             raise UsageError(f"{out}: is the input model; choose another output path")
     if out.is_dir():
         raise UsageError(f"{out}: is a directory; give a file name for the output")
-    if out.exists() and not force:
-        raise UsageError(f"{out}: exists; pass --force to replace it")
     if not out.parent.resolve().is_dir():
         raise OutputError(f"{out}: folder {out.parent} does not exist")
     if not os.access(out.parent.resolve(), os.W_OK):

@@ -23,6 +23,12 @@ from .weights import copy_fields, is_stub, should_stub, stub_of
 Dim = int | str | None  # a known size, a symbol, or unknown
 
 
+@lru_cache(maxsize=4096)
+def _tensor_type(elem_type: int, shape: tuple[Dim, ...] | None) -> onnx.TypeProto:
+    """The TypeProto of a tensor type; training graphs repeat a few types many times, so each is made once."""
+    return helper.make_tensor_type_proto(elem_type, None if shape is None else list(shape))
+
+
 @lru_cache(maxsize=None)
 def itemsize(elem_type: int) -> int:
     """Bytes per element of an ONNX element type (sub-byte types count as one byte)."""
@@ -82,8 +88,9 @@ class Value:
         return bool(self.elem_type) and self.shape is not None
 
     def value_info(self) -> onnx.ValueInfoProto:
-        shape = None if self.shape is None else list(self.shape)
-        return helper.make_tensor_value_info(self.name, self.elem_type or 0, shape)
+        vi = onnx.ValueInfoProto(name=self.name)
+        vi.type.CopyFrom(_tensor_type(self.elem_type or 0, self.shape))
+        return vi
 
 
 class Node:

@@ -45,6 +45,7 @@ def non_differentiable(*op_types: str, why: str = "output is not differentiable"
 def lookup(op_type: str, opset: int, domain: str = "") -> Rule | None:
     if domain not in ("", "ai.onnx"):
         return None
+    _load_rules()
     for r in _RULES.get(op_type, []):
         if r.since <= opset <= r.until:
             return r
@@ -52,6 +53,7 @@ def lookup(op_type: str, opset: int, domain: str = "") -> Rule | None:
 
 
 def is_non_differentiable(op_type: str, domain: str = "") -> bool:
+    _load_rules()
     return domain in ("", "ai.onnx") and op_type in _NON_DIFFERENTIABLE
 
 
@@ -65,5 +67,12 @@ def all_non_differentiable() -> dict[str, str]:
     return dict(sorted(_NON_DIFFERENTIABLE.items()))
 
 
+_loaded = False
+
+
 def _load_rules() -> None:
-    from . import rules  # noqa: F401  (importing registers every rule)
+    """Import the rule modules once, on the first question asked of the registry."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from . import rules  # noqa: F401  (importing registers every rule)

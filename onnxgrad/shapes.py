@@ -29,6 +29,8 @@ def broadcast(*shapes: tuple[Dim, ...] | None) -> tuple[Dim, ...] | None:
     """numpy broadcasting over known, symbolic and unknown dims; None when a rank is unknown."""
     if any(s is None for s in shapes):
         return None
+    if all(s == shapes[0] for s in shapes):
+        return shapes[0]
     rank = max((len(s) for s in shapes), default=0)
     out: list[Dim] = []
     for k in range(rank):

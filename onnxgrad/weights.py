@@ -12,6 +12,7 @@ stubs again; and the output is written by streaming each stub's data into the ex
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -36,7 +37,7 @@ def nbytes(t: TensorProto) -> int:
         itemsize = helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
     except (KeyError, TypeError, ValueError):
         return 0
-    return int(np.prod(t.dims, dtype=np.int64)) * itemsize
+    return math.prod(t.dims) * itemsize
 
 
 def is_stub(t: TensorProto) -> bool:

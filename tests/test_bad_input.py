@@ -221,7 +221,6 @@ MATRIX = [
      "{dir}/sub/../model.onnx: is the input model; choose another output path"),
     ("output-is-input-by-link", "affine", ["build-grad", "{model}", "-o", "{dir}/link.onnx"], 2,
      "{dir}/link.onnx: is the input model; choose another output path"),
-    ("output-exists", "affine", BUILD, 2, "{out}: exists; pass --force to replace it"),
     ("output-is-directory", "affine", ["build-grad", "{model}", "-o", "{dir}/sub"], 2,
      "{dir}/sub: is a directory; give a file name for the output"),
     ("output-folder-missing", "affine", ["build-grad", "{model}", "-o", "{dir}/none/t.onnx"], 5,
@@ -230,8 +229,6 @@ MATRIX = [
      "--report {out}: is the output model; choose another path"),
     ("report-is-input", "affine", BUILD + ["--report", "{model}"], 2,
      "{model}: is the input model; choose another output path"),
-    ("report-exists", "affine", BUILD + ["--report", "{dir}/r.json"], 2,
-     "{dir}/r.json: exists; pass --force to replace it"),
     # the other subcommands
     ("run-missing", "affine", ["run", "{dir}/missing.onnx"], 2, "{dir}/missing.onnx: no such file"),
     ("run-forward-model", "affine", ["run", "{model}"], 2,
@@ -244,8 +241,6 @@ MATRIX = [
     ("check-no-metadata", "affine", ["check", "{model}"], 2,
      "the model has no 'onnxgrad.loss' metadata (not written by onnxgrad build-grad?); name the loss output "
      "with --loss"),
-    ("ops-report-exists", "affine", ["ops", "--report", "{dir}/r.json"], 2,
-     "{dir}/r.json: exists; pass --force to replace it"),
     # flags
     ("missing-output-flag", "affine", ["build-grad", "{model}"], 2, "Missing option '-o' / '--output'."),
     ("unknown-flag", "affine", BUILD + ["--bogus"], 2, "No such option '--bogus'. Did you mean '--loss'?"),
@@ -437,7 +432,7 @@ def test_keyboard_interrupt(tmp_path, capfd, monkeypatch):
 
 
 # -- in a fresh process ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case_id", ["truncated", "opset-not-convertible", "no-rule", "output-exists"])
+@pytest.mark.parametrize("case_id", ["truncated", "opset-not-convertible", "no-rule", "output-is-directory"])
 def test_in_a_fresh_process(tmp_path, case_id):
     """The same contract seen from outside: no traceback, no stray line from a C++ library on either stream."""
     _, which, args, code, message = next(c for c in MATRIX if c[0] == case_id)

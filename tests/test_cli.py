@@ -68,7 +68,8 @@ def test_ops_lists_rules():
     ("invalid", ["build-grad", "{model}", "-o", "{out}"], 3, "the model fails the ONNX checker"),
     ("unsupported", ["build-grad", "{model}", "-o", "{out}"], 4, "no gradient rule for Atan (opset 18)"),
     (None, ["build-grad", "{model}", "-o", "{model}"], 2, "{model}: is the input model"),
-    ("exists", ["build-grad", "{model}", "-o", "{out}"], 2, "{out}: exists; pass --force to replace it"),
+    ("exists", ["build-grad", "{model}", "-o", "{out}", "--requires-grad", "nothing"], 2,
+     "--requires-grad nothing: no value of that name in the model"),
     (None, ["build-grad", "{model}", "-o", "{dir}/none/t.onnx"], 5, "folder {dir}/none does not exist"),
     (None, ["build-grad", "{model}", "-o", "{out}", "--loss", "q"], 2, "--loss q: no graph output of that name"),
     (None, ["build-grad", "{model}", "-o", "{out}", "--dim", "N"], 2, "--dim 'N': expected SYMBOL=N"),
@@ -101,8 +102,14 @@ def test_bad_input_is_one_line_and_leaves_no_file(tmp_path, model, setup, args, 
     assert after == before  # nothing written, nothing changed, no temp file left
 
 
-def test_force_replaces_existing_output(model, tmp_path):
-    out = tmp_path / "out.onnx"
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_an_existing_output_is_replaced(model, tmp_path, force):
+    """A pipeline step that runs twice replaces its output, as compilers do; --force is accepted and changes
+    nothing. (A failed run leaves an existing output as it was: the "exists" case above.)"""
+    out, report = tmp_path / "out.onnx", tmp_path / "r.json"
     out.write_bytes(b"old")
-    assert main(["build-grad", str(model), "-o", str(out), "--force"]) == 0
+    report.write_text("old")
+    for _ in range(2):
+        assert main(["build-grad", str(model), "-o", str(out), "--report", str(report), *force]) == 0
     assert onnx.load(out).graph.output[1].name == "w_grad"
+    assert json.loads(report.read_text())["command"] == "build-grad"

@@ -89,11 +89,11 @@ def test_external_data_flag_and_the_in_file_output_agree(tmp_path):
     assert single.read_bytes() == api.build_gradient(mlp()).SerializeToString(deterministic=True)
 
 
-def test_existing_data_file_needs_force_and_the_input_data_is_never_overwritten(external_model, tmp_path):
+def test_an_existing_data_file_is_replaced_and_the_input_data_is_never_overwritten(external_model, tmp_path):
     out = tmp_path / "train.onnx"
-    (tmp_path / "train.onnx.data").write_bytes(b"keep me")
-    assert main(["build-grad", str(external_model), "-o", str(out)]) == 2
-    assert not out.exists() and (tmp_path / "train.onnx.data").read_bytes() == b"keep me"
+    (tmp_path / "train.onnx.data").write_bytes(b"old data")
+    assert main(["build-grad", str(external_model), "-o", str(out)]) == 0
+    assert onnx.load(out).graph.output and (tmp_path / "train.onnx.data").read_bytes() != b"old data"
     # a model whose data file is called <out>.data: writing <out> would destroy the input's weights
     victim = tmp_path / "victim.onnx"
     onnx.save(mlp(), victim, save_as_external_data=True, location="other.onnx.data", size_threshold=0)

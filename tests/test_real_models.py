@@ -34,6 +34,7 @@ from onnx import numpy_helper
 
 import onnxgrad
 import real_models
+from test_pipeline import assert_typed
 from onnxgrad import runtime
 
 torch.set_num_threads(2)
@@ -226,6 +227,7 @@ def compare(exp: Exported) -> Comparison:
         wanted = list(dict.fromkeys(s.init for c in sources.values() for s in c))
         result = onnxgrad.build(exp.path, requires_grad=wanted + float_inputs)
 
+    assert_typed(result.model)
     sess = runtime.session(result.model, "cpu")
     feeds = {n: a.numpy() for n, a in zip(input_names, exp.args)}
     outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))

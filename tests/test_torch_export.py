@@ -21,6 +21,7 @@ from onnx import numpy_helper
 
 import onnxgrad
 from onnxgrad import runtime
+from test_pipeline import assert_typed
 
 torch.set_num_threads(2)
 
@@ -115,6 +116,7 @@ def test_gradients_match_torch(exported):
     buffers = [b for b, _ in model.named_buffers() if b.endswith(("running_mean", "running_var"))]
     result = onnxgrad.build(path, frozen=buffers or None)
     train = result.model
+    assert_typed(train)
     params = dict(model.named_parameters())
     assert result.report["parameters"] == list(params), "onnxgrad chose other parameters than torch has"
 

@@ -38,9 +38,8 @@ class Gradient(Pass):
             if result.grads[x.name] is None:
                 raise UsageError(f"{x.name!r} is not reachable from the loss {heads[0].name!r}: it has no gradient")
         finalize_outputs(graph, xs, us, result.grads, names)
-        for x in xs:
-            if graph.is_initializer(x) and x not in graph.inputs:
-                graph.inputs.append(x)
+        inputs = {id(v) for v in graph.inputs}
+        graph.inputs.extend(x for x in xs if graph.is_initializer(x) and id(x) not in inputs)
         build.parameters, build.also = xs, us
         build.report.update({
             "parameters": [x.name for x in xs],
