@@ -342,10 +342,9 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
     if "report" in outputs:
         extra = {}
         if parallel:
-            extra = {"world_size": trainer.world, "zero1": zero1,
-                     "allreduce_seconds": [round(s, 6) for s in trainer.comm_seconds[-len(result.losses):]],
-                     "allreduce_share": round(sum(trainer.comm_seconds[-len(result.losses):])
-                                              / max(sum(result.step_seconds), 1e-12), 6)}
+            comm = trainer.comm_seconds[len(trainer.comm_seconds) - len(result.losses):]
+            extra = {"world_size": trainer.world, "zero1": zero1, "allreduce_seconds": [round(s, 6) for s in comm],
+                     "allreduce_share": round(sum(comm) / max(sum(result.step_seconds), 1e-12), 6)}
         save_json(_report("train", {"input": step_model, "data": data, "device": trainer.device, "lr": trainer.lr,
                                     "seed": seed, "resumed_from": resume, "checkpoint": checkpoint,
                                     "export": export, **result.to_json(), **extra}), outputs["report"])

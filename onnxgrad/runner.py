@@ -449,13 +449,17 @@ class StepGraphTrainer:
     def save_checkpoint(self, path: str | os.PathLike, batches: Batches | None = None) -> None:
         """An .npz of every state value (`state/<name>`) and a JSON record (`onnxgrad.checkpoint`): the step
         count, the epoch and batch position and what decides the batches."""
+        self._write_checkpoint(path, self.state_dict(), batches)
+
+    def _write_checkpoint(self, path: str | os.PathLike, state: dict[str, np.ndarray],
+                          batches: Batches | None) -> None:
         record = {"format": CHECKPOINT_FORMAT, "step": self.steps_done, "lr": self.lr}
         if batches is not None:
             epoch, index = batches.position(self.steps_done)
             record.update(batches.record(), epoch=epoch, batch_in_epoch=index)
         elif self.resumed is not None:
             record.update({k: v for k, v in self.resumed.items() if k not in record})
-        arrays = {STATE_PREFIX + name: value for name, value in self.state_dict().items()}
+        arrays = {STATE_PREFIX + name: value for name, value in state.items()}
         arrays[CHECKPOINT_KEY] = np.array(json.dumps(record, sort_keys=True))
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)
@@ -464,19 +468,11 @@ class StepGraphTrainer:
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore the state, the step count and the learning rate (unless the caller chose one); `fit` then
         checks that its batches match the record."""
-        path = Path(path)
-        if not path.is_file():
-            raise UsageError(f"--resume {path}: no such file")
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                files = {k: npz[k] for k in npz.files}
-            record = json.loads(str(files.pop(CHECKPOINT_KEY)))
-        except (KeyError, ValueError, OSError) as e:
-            raise UsageError(f"--resume {path}: not an onnxgrad checkpoint ({type(e).__name__})") from None
-        if record.get("format") != CHECKPOINT_FORMAT:
-            raise UsageError(f"--resume {path}: checkpoint format {record.get('format')}, "
-                             f"expected {CHECKPOINT_FORMAT}")
-        self.load_state_dict({k[len(STATE_PREFIX):]: v for k, v in files.items()}, f"--resume {path}")
+        record, state = read_checkpoint(path)
+        return self._restore(record, state, f"--resume {path}")
+
+    def _restore(self, record: dict, state: dict[str, np.ndarray], source: str) -> dict:
+        self.load_state_dict(state, source)
         self.steps_done = int(record["step"])
         self.resumed = record
         if record.get("lr") is not None and self.graph.lr is not None and not self._lr_chosen:
@@ -500,6 +496,23 @@ class StepGraphTrainer:
         if path is not None:
             save_model(model, Path(path))
         return model
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """The record and the state values of a checkpoint written by `save_checkpoint`."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--resume {path}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            files = {k: npz[k] for k in npz.files}
+        record = json.loads(str(files.pop(CHECKPOINT_KEY)))
+    except (KeyError, ValueError, OSError) as e:
+        raise UsageError(f"--resume {path}: not an onnxgrad checkpoint ({type(e).__name__})") from None
+    if record.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(f"--resume {path}: checkpoint format {record.get('format')}, "
+                         f"expected {CHECKPOINT_FORMAT}")
+    return record, {k[len(STATE_PREFIX):]: v for k, v in files.items()}
 
 
 # -- data ----------------------------------------------------------------------------------------------------

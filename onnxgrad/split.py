@@ -33,6 +33,11 @@ class SplitStep:
     loss: str
     phase_source: str             # "metadata" or "structure": how the optimizer's nodes were found
 
+    @property
+    def grad_parameters(self) -> list[str]:
+        """The parameter of each entry of `grads`."""
+        return [g[:-len(GRAD_SUFFIX)] for g in self.grads]
+
 
 def optimizer_node_mask(model: onnx.ModelProto) -> tuple[list[bool], str]:
     """For each node in file order, whether it belongs to the optimizer; and where that came from."""

@@ -1,0 +1,412 @@
+"""Data-parallel training on torch.distributed: one process per device, each running the step graph on its
+shard of every batch, launched by torchrun (`torchrun --nproc-per-node N -m onnxgrad.cli train ...`).
+
+The step graph is split (split.py) into a gradient graph and an update graph. A step is:
+
+1. the gradient graph on this process's rows of the global batch (rows [r*B/W, (r+1)*B/W) of the batch a
+   one-process run takes at that step), writing the loss and every `<p>_grad` straight into flat buckets;
+2. an all-reduce of the buckets, launched one after the other in the order the backward pass produced the
+   gradients, then divided by the world size (a `mean` loss; a `sum` loss is summed): every process now holds
+   the gradient of the global batch, and the global batch's loss;
+3. the update graph on the averaged gradients: gradient accumulation and clipping by global norm happen there,
+   so they see the averaged gradient, as in a one-process run on the whole batch.
+
+Buffers are PyTorch tensors shared with onnxruntime through DLPack (`OrtValue.from_dlpack`): onnxruntime writes
+the gradients into the buckets that the collective reads, and reads the averaged values in place; nothing is
+copied between the two libraries, on the CPU or on CUDA. As in the one-process trainer, the state is held in
+two buffers and the step alternates between two pairs of IOBindings.
+
+With ZeRO-1 (`zero1=True`) each parameter's optimizer state lives on one process only (parameters are dealt
+to processes, largest first, to the least-loaded one); each process runs the part of the update graph that
+updates the parameters it owns, then every owner broadcasts its new parameters. Accumulated gradients, the
+step counters and the parameters themselves stay on every process.
+
+Checkpoints hold the whole state (gathered from the owners under ZeRO-1) and are written by rank 0 in the
+one-process format, so a run resumes on any number of processes, or in `StepGraphTrainer`. A collective that
+does not complete within `timeout` seconds (a process died or hangs) ends every other process with one line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from datetime import timedelta
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from . import runtime
+from .contract import LOSS_FN_KEY, OPTIMIZER_KEY
+from .errors import OnnxgradError, UsageError
+from .optim import state_kinds
+from .runner import Batches, StepGraphTrainer, read_checkpoint, read_step_graph
+from .split import restrict_update, split_step_graph
+
+DEFAULT_BUCKET_MB = 25.0
+DEFAULT_TIMEOUT_S = 600.0
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class DistributedError(OnnxgradError):
+    """A collective across processes failed: another process stopped, hung or cannot be reached."""
+
+    exit_code = 7
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun (or another launcher that sets its variables)."""
+    return "WORLD_SIZE" in os.environ
+
+
+def import_torch_distributed():
+    """torch and torch.distributed, or a one-line error saying how to get them."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        raise UsageError("data-parallel training needs PyTorch (torch.distributed): "
+                         "pip install 'onnxgrad[distributed]'") from None
+    if not dist.is_available():
+        raise UsageError(f"this PyTorch ({torch.__version__}) was built without torch.distributed")
+    return torch, dist
+
+
+def partition(sizes: dict[str, int], world: int) -> dict[str, int]:
+    """ZeRO-1's owner of each parameter: largest first, each to the process with the fewest elements so far
+    (ties to the lower rank), so every process computes the same deal."""
+    load = [0] * world
+    owner = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], list(sizes).index(n))):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owner[name] = rank
+        load[rank] += sizes[name]
+    return owner
+
+
+class DataParallelTrainer(StepGraphTrainer):
+    """A `StepGraphTrainer` that is one of the processes of a torch.distributed job: `fit` and `step` take the
+    global batch and run this process's shard of it; losses are those of the global batch.
+
+        trainer = DataParallelTrainer("step.onnx", zero1=True)  # under torchrun
+        trainer.fit("data.npz", steps=100, batch=64)             # 64 rows a step over all processes
+        trainer.close()
+
+    `state_dict`, `save_checkpoint` and `fit` are collective: every process must call them."""
+
+    def __init__(self, model: str | os.PathLike | onnx.ModelProto, *, provider: str = "auto",
+                 threads: int | None = None, lr: float | None = None, zero1: bool = False,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, timeout: float = DEFAULT_TIMEOUT_S):
+        self.torch, self.dist = import_torch_distributed()
+        if bucket_mb <= 0:
+            raise UsageError(f"--bucket-mb {bucket_mb:g}: must be > 0")
+        self.graph = read_step_graph(model)
+        self.split = split_step_graph(self.graph.model)
+        meta = {p.key: p.value for p in self.graph.model.metadata_props}
+        settings = json.loads(meta[OPTIMIZER_KEY])
+        loss_fn = json.loads(meta.get(LOSS_FN_KEY, "{}"))
+        self.reduce_mean = loss_fn.get("reduction", "mean") != "sum"
+        self.timeout, self.zero1, self._bucket_bytes = timeout, zero1, int(bucket_mb * 2**20)
+        self._join(provider, timeout)
+        if threads is None and self.device == "cpu":
+            threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+
+        # Which state this process holds and which `.next` outputs its update graph computes.
+        params = self.split.parameters
+        sizes = {p: int(np.prod(self.graph.initial[p].shape)) for p in params}
+        self.owner = partition(sizes, self.world) if zero1 else {p: 0 for p in params}
+        sharded = {f"{p}.{k}": p for p in params for k in state_kinds(settings) if k != "grad_acc"}
+        self.held = [name for name in self.graph.state
+                     if name not in sharded or not zero1 or self.owner[sharded[name]] == self.rank]
+        computed = [name for name in self.held if not zero1 or name not in sizes or self.owner[name] == self.rank]
+        update = self.split.update if not zero1 else \
+            restrict_update(self.split.update, [self.graph.state[name] for name in computed])
+        self._computed = computed
+
+        self.grad_session = self._session(self.split.gradient, provider, threads)
+        self.update_session = self._session(update, provider, threads)
+        # graph inputs, with those that have a stored value (session.get_inputs() leaves these out)
+        self._inputs = {"gradient": [vi.name for vi in self.split.gradient.graph.input],
+                        "update": [vi.name for vi in update.graph.input]}
+        self.session = self.update_session
+        self.steps_done, self.resumed, self.lr, self._lr_chosen = 0, None, None, False
+        self.comm_seconds: list[float] = []         # per step: waiting for collectives
+        self._current = 0
+        self._allocate()
+        self._grad_bindings = [self._gradient_binding(b) for b in (0, 1)]
+        self._bindings = [self._update_binding(b) for b in (0, 1)]
+        if lr is not None:
+            self.set_lr(lr)
+        elif self.graph.lr is not None:
+            if self.graph.lr not in self.graph.initial:
+                raise UsageError(f"the step graph's {self.graph.lr!r} input has no default; pass --lr")
+            self._bind_lr(float(self.graph.initial[self.graph.lr]))
+
+    # -- joining the job ------------------------------------------------------------------------------------
+
+    def _join(self, provider: str, timeout: float) -> None:
+        torch, dist = self.torch, self.dist
+        wants_cuda = "CUDAExecutionProvider" in runtime.providers(provider)
+        if provider == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--provider cuda: this PyTorch has no CUDA device to hold the shared buffers")
+        self.device = "cuda" if wants_cuda and torch.cuda.is_available() else "cpu"
+        self.device_id = int(os.environ.get("LOCAL_RANK", 0)) if self.device == "cuda" else 0
+        if not dist.is_initialized():
+            missing = [v for v in LAUNCH_VARIABLES if v not in os.environ]
+            if missing:
+                raise UsageError(f"data-parallel training is launched by torchrun, which sets {', '.join(missing)}: "
+                                 f"torchrun --nproc-per-node N -m onnxgrad.cli train ...")
+            if self.device == "cuda":
+                torch.cuda.set_device(self.device_id)
+            try:
+                dist.init_process_group("nccl" if self.device == "cuda" else "gloo",
+                                        timeout=timedelta(seconds=timeout))
+            except (RuntimeError, ValueError) as e:
+                raise DistributedError(f"cannot join the process group at {os.environ['MASTER_ADDR']}:"
+                                       f"{os.environ['MASTER_PORT']} ({_first_line(e)})") from None
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._tdevice = torch.device(self.device, self.device_id) if self.device == "cuda" else torch.device("cpu")
+
+    def _session(self, model: onnx.ModelProto, provider: str, threads: int | None) -> ort.InferenceSession:
+        so, extra = runtime.session_options(model, threads)
+        if self.device == "cuda":
+            providers = [("CUDAExecutionProvider", {"device_id": self.device_id}), "CPUExecutionProvider"]
+        else:
+            providers = ["CPUExecutionProvider"]
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=providers, **extra)
+        if self.device == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
+            raise UsageError(f"--provider {provider}: onnxruntime could not start its CUDA provider on device "
+                             f"{self.device_id}; use --provider cpu")
+        return sess
+
+    def close(self) -> None:
+        """Leave the process group (the job's other processes leave theirs)."""
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+    # -- buffers --------------------------------------------------------------------------------------------
+
+    def _tensor(self, array: np.ndarray):
+        return self.torch.from_numpy(np.array(array, order="C")).to(self._tdevice)
+
+    def _empty(self, count: int, dtype: np.dtype):
+        return self.torch.empty(count, dtype=self.torch.from_numpy(np.zeros(0, dtype)).dtype, device=self._tdevice)
+
+    def _allocate(self) -> None:
+        """Parameters: two flat buffers per element type, ordered by owner, so that an owner's parameters are one
+        contiguous range to broadcast. Other state: two tensors each. Gradients: flat buckets in backward
+        order. Every onnxruntime value is a view of these (DLPack)."""
+        graph, params = self.graph, self.split.parameters
+        self._tensors: dict[str, list] = {}
+        self._segments: list[tuple[list, int, int, int]] = []   # (the two flat buffers, start, length, owner)
+        by_type: dict[np.dtype, list[str]] = {}
+        for p in sorted(params, key=lambda p: (self.owner[p], params.index(p))):
+            by_type.setdefault(graph.initial[p].dtype, []).append(p)
+        for dtype, names in by_type.items():
+            total = sum(self.graph.initial[p].size for p in names)
+            flats = [self._empty(total, dtype) for _ in (0, 1)]
+            offset = 0
+            for rank in range(self.world):
+                start = offset
+                for p in (p for p in names if self.owner[p] == rank):
+                    size = graph.initial[p].size
+                    views = [f[offset:offset + size].view(graph.initial[p].shape) for f in flats]
+                    views[0].copy_(self._tensor(graph.initial[p]))
+                    self._tensors[p] = views
+                    offset += size
+                if offset > start:
+                    self._segments.append((flats, start, offset - start, rank))
+        for name in self.held:
+            if name not in self._tensors:
+                first = self._tensor(graph.initial[name])
+                self._tensors[name] = [first, self.torch.empty_like(first)]
+        self._buffers = {name: [ort.OrtValue.from_dlpack(t) for t in pair] for name, pair in self._tensors.items()}
+
+        # Gradient buckets: consecutive gradients of one element type, up to bucket_mb each; the loss rides
+        # in the last bucket of its type (one collective less), else in a bucket of its own.
+        self._buckets, self._grad_values, current, current_bytes = [], {}, None, 0
+        cap = self._bucket_bytes
+        plan: list[tuple[np.dtype, list[tuple[str, tuple]]]] = []
+        for g, p in zip(self.split.grads, self.split.grad_parameters):
+            shape, dtype = graph.initial[p].shape, graph.initial[p].dtype
+            size = int(np.prod(shape)) * dtype.itemsize
+            if current is None or current[0] != dtype or current_bytes + size > cap and current[1]:
+                current, current_bytes = (dtype, []), 0
+                plan.append(current)
+            current[1].append((g, shape))
+            current_bytes += size
+        last_of_type = {dtype: i for i, (dtype, _) in enumerate(plan)}
+        if graph.loss_dtype in last_of_type:
+            plan[last_of_type[graph.loss_dtype]][1].append((graph.loss, graph.loss_shape))
+        else:
+            plan.append((graph.loss_dtype, [(graph.loss, graph.loss_shape)]))
+        for dtype, members in plan:
+            flat = self._empty(sum(int(np.prod(s)) for _, s in members), dtype)
+            flat.zero_()
+            offset = 0
+            for name, shape in members:
+                size = int(np.prod(shape))
+                view = flat[offset:offset + size].view(shape)
+                self._grad_values[name] = (view, ort.OrtValue.from_dlpack(view))
+                offset += size
+            self._buckets.append(flat)
+        self._loss_tensor = self._grad_values[graph.loss][0]
+
+    def _gradient_binding(self, source: int) -> ort.IOBinding:
+        binding = self.grad_session.io_binding()
+        for name in self._inputs["gradient"]:
+            if name in self._buffers:
+                binding.bind_ortvalue_input(name, self._buffers[name][source])
+        for name, (_, value) in self._grad_values.items():
+            binding.bind_ortvalue_output(name, value)
+        return binding
+
+    def _update_binding(self, source: int) -> ort.IOBinding:
+        binding = self.update_session.io_binding()
+        for name in self._inputs["update"]:
+            if name in self._buffers:
+                binding.bind_ortvalue_input(name, self._buffers[name][source])
+            elif name in self._grad_values:
+                binding.bind_ortvalue_input(name, self._grad_values[name][1])
+        for name in self._computed:
+            binding.bind_ortvalue_output(self.graph.state[name], self._buffers[name][1 - source])
+        return binding
+
+    def _device_value(self, array: np.ndarray) -> ort.OrtValue:
+        return ort.OrtValue.ortvalue_from_numpy(np.asarray(array, order="C"), self.device, self.device_id)
+
+    # -- the step -------------------------------------------------------------------------------------------
+
+    def step(self, feeds: dict[str, np.ndarray]) -> float:
+        """One step on one global batch (this process runs its shard); returns the global batch's loss."""
+        missing = [n for n in self.graph.data if n not in feeds]
+        if missing:
+            raise UsageError(f"no data for the step graph's input {missing[0]!r}")
+        rows = len(feeds[next(iter(self.graph.data))])
+        if rows % self.world:
+            raise UsageError(f"a batch of {rows} rows does not split into {self.world} equal shards "
+                             f"(one per process); choose a --batch divisible by {self.world}")
+        share = rows // self.world
+        lo = self.rank * share
+        binding = self._grad_bindings[self._current]
+        batch = {name: self._device_value(feeds[name][lo:lo + share]) for name in self.graph.data}
+        for name, value in batch.items():
+            binding.bind_ortvalue_input(name, value)
+        self.grad_session.run_with_iobinding(binding)
+        started = time.perf_counter()
+        self._all_reduce()
+        comm = time.perf_counter() - started
+        self.update_session.run_with_iobinding(self._bindings[self._current])
+        if self.zero1 and self.world > 1:
+            started = time.perf_counter()
+            self._collective("broadcast of the updated parameters",
+                             [self.dist.broadcast(flats[1 - self._current][start:start + length], src=owner,
+                                                  async_op=True)
+                              for flats, start, length, owner in self._segments])
+            comm += time.perf_counter() - started
+        self.comm_seconds.append(comm)
+        self._current = 1 - self._current
+        self.steps_done += 1
+        return float(self._loss_tensor.reshape(-1)[0].item())
+
+    def _all_reduce(self) -> None:
+        if self.world == 1:
+            return
+        if self.device == "cuda":
+            self.torch.cuda.synchronize(self._tdevice)
+        self._collective("all-reduce of the gradients",
+                         [self.dist.all_reduce(b, async_op=True) for b in self._buckets])
+        if self.reduce_mean:
+            for b in self._buckets:
+                b.div_(self.world)
+        if self.device == "cuda":  # onnxruntime's stream does not wait for PyTorch's
+            self.torch.cuda.synchronize(self._tdevice)
+
+    def _collective(self, what: str, works: list) -> None:
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as e:
+            raise DistributedError(f"rank {self.rank} of {self.world}: step {self.steps_done + 1}: the {what} "
+                                   f"failed ({_first_line(e)}); another process stopped or hangs "
+                                   f"(collective timeout {self.timeout:g} s)") from None
+        if self.device == "cuda" and what.startswith("broadcast"):
+            self.torch.cuda.synchronize(self._tdevice)
+
+    # -- state ----------------------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> dict[str, ort.OrtValue]:
+        """The state this process holds (all of it without ZeRO-1), as the OrtValues the next step reads."""
+        return {name: buffers[self._current] for name, buffers in self._buffers.items()}
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {p: self._tensors[p][self._current].cpu().numpy().copy() for p in self.graph.parameters}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """A host copy of the whole state, in the step graph's order; gathered from the owners under ZeRO-1
+        (collective)."""
+        local = {name: self._tensors[name][self._current].cpu().numpy().copy() for name in self.held}
+        if self.zero1 and self.world > 1:
+            gathered = [None] * self.world
+            try:
+                self.dist.all_gather_object(gathered, local)
+            except RuntimeError as e:
+                raise DistributedError(f"rank {self.rank} of {self.world}: gathering the optimizer state failed "
+                                       f"({_first_line(e)})") from None
+            for part in gathered:
+                local.update(part)
+        return {name: local[name] for name in self.graph.state}
+
+    def load_state_dict(self, values: dict[str, np.ndarray], source: str = "the state") -> None:
+        names, expected = set(values), set(self.graph.state)
+        if names != expected:
+            odd = sorted(names ^ expected)[0]
+            raise UsageError(f"{source}: {'has no value for' if odd in expected else 'has an unknown value'} "
+                             f"{odd!r}")
+        for name in self.held:
+            current, value = self._tensors[name][self._current], values[name]
+            want = current.cpu().numpy()
+            if tuple(value.shape) != tuple(want.shape) or value.dtype != want.dtype:
+                raise UsageError(f"{source}: {name!r} is {value.dtype}{list(value.shape)}, the step graph "
+                                 f"wants {want.dtype}{list(want.shape)}")
+            current.copy_(self._tensor(value))
+
+    def save_checkpoint(self, path: str | os.PathLike, batches: Batches | None = None) -> None:
+        """The whole state, gathered, written by rank 0 in the one-process format (collective)."""
+        state = self.state_dict()
+        if self.rank == 0:
+            self._write_checkpoint(path, state, batches)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict:
+        """Rank 0 reads the checkpoint and sends it to the others (only its machine needs the file)."""
+        payload = [None]
+        if self.rank == 0:
+            try:
+                payload = [("ok", *read_checkpoint(path))]
+            except OnnxgradError as e:
+                payload = [("error", str(e))]
+        if self.world > 1:
+            self.dist.broadcast_object_list(payload, src=0)
+        if payload[0][0] == "error":
+            raise UsageError(payload[0][1])
+        _, record, state = payload[0]
+        return self._restore(record, state, f"--resume {path}")
+
+    def _batch_size(self, batch: int | None, arrays: dict[str, np.ndarray]) -> int:
+        size = super()._batch_size(batch, arrays)
+        if size % self.world:
+            raise UsageError(f"--batch {size}: the global batch must split into {self.world} equal shards "
+                             f"(one per process)")
+        return size
+
+
+def _first_line(e: BaseException) -> str:
+    """The gist of a backend's message: its first sentence, without the source location in brackets."""
+    text = str(e).strip().splitlines()
+    if not text:
+        return type(e).__name__
+    gist = re.sub(r"^\[[^\]]*\]\s*", "", text[0]).split(". ")[0]
+    return gist[:300]
