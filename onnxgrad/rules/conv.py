@@ -111,13 +111,112 @@ def conv(ctx):
     if ctx.needs(0):
         gx = _conv_transpose_onto(ctx, gy, w, sizes, out, kernel, strides, dilations, begin, group)
     if ctx.needs(1):
-        gw = _conv_weight_grad(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations, begin, end)
+        gw = _conv_weight_grad(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations, begin, end,
+                               shift="gy")
     if ctx.needs(2):
         gb = op.ReduceSum(gy, op.ints([0, *range(2, len(sizes) + 2)]), keepdims=0)
     return [gx, gw, gb][:ctx.num_inputs]
 
 
-def _conv_weight_grad(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations, begin, end):
+# From this many input channels per group on, the weight gradient is one GEMM per kernel offset (measured in
+# bench/bench_train.py's profiles and BENCHMARKS.md: 1.5-4x faster than the swapped Conv with 32 or more channels,
+# slower with 3); below it, the swapped Conv.
+GEMM_WEIGHT_GRAD_MIN_CHANNELS = 16
+
+
+def _conv_weight_grad(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations, begin, end, shift):
+    """dw[m, c, k] = sum over n, o of dy[n, m, o] * x[n, c, o*s + k*d - begin].
+
+    `shift` names the operand that depends on the incoming gradient ("gy" for Conv, "x" for ConvTranspose,
+    which calls this with the roles exchanged): per-offset slices are taken of that operand only, so the
+    forward-only work stays one copy of the other.
+    """
+    m, c_per_group = w.shape[0], w.shape[1]
+    if isinstance(m, int) and isinstance(c_per_group, int):
+        if c_per_group >= GEMM_WEIGHT_GRAD_MIN_CHANNELS:
+            return _weight_grad_by_offsets(ctx, x, gy, group, m, c_per_group, sizes, out, kernel, strides,
+                                           dilations, begin, shift, "gemm")
+        if c_per_group == 1 and shift == "gy" and all(s == 1 for s in strides):
+            return _weight_grad_by_offsets(ctx, x, gy, group, m, c_per_group, sizes, out, kernel, strides,
+                                           dilations, begin, shift, "dot")
+    return _weight_grad_as_conv(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations, begin, end)
+
+
+def _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shift):
+    """Per kernel offset k (in C order): (dy_k, x_k), channel-first [C, N, ...] tensors whose elementwise
+    product summed over all but the channel axis is that offset's term of dw.
+
+    shift="gy": x is split once into its stride phases x_r[i] = x[i*s + r] (a partition of x; for stride 1 x
+    itself), and dy, padded once, is sliced per offset: x position o*s + t (t = k*d - begin = q*s + r) is
+    x_r[o + q], so dy_k[i] = dy[i - q] on phase r's grid.
+    shift="x": x, padded once, is sliced per offset at o*s + k*d (step s), and dy is used whole.
+    """
+    op = ctx.op
+    n = len(sizes)
+    axes = op.ints(range(2, n + 2))
+    first = [1, 0, *range(2, n + 2)]
+    xt, gyt = op.Transpose(x, perm=first), op.Transpose(gy, perm=first)
+    offsets = list(np.ndindex(*kernel))
+    pairs = []
+    if shift == "x":
+        need = [max(0, (o - 1) * s + (k - 1) * d - b - size + 1)
+                for size, o, k, s, d, b in zip(sizes, out, kernel, strides, dilations, begin)]
+        if any(begin) or any(need):
+            xt = op.Pad(xt, op.ints([0, 0, *begin, 0, 0, *need]))
+        for k in offsets:
+            starts = [kk * d for kk, d in zip(k, dilations)]
+            ends = [st + (o - 1) * s + 1 for st, o, s in zip(starts, out, strides)]
+            pairs.append((gyt, op.Slice(xt, op.ints(starts), op.ints(ends), axes, op.ints(strides))))
+        return pairs
+    # shift == "gy"
+    plan = []
+    for k in offsets:
+        rq = [((kk * d - b) % s, (kk * d - b) // s) for kk, d, b, s in zip(k, dilations, begin, strides)]
+        lengths = [max(0, (size - r + s - 1) // s) for size, (r, _), s in zip(sizes, rq, strides)]
+        plan.append((rq, lengths))
+    pad_begin = [max(0, *(rq[a][1] for rq, _ in plan)) for a in range(n)]
+    pad_end = [max(0, *(lengths[a] - rq[a][1] - out[a] for rq, lengths in plan)) for a in range(n)]
+    if any(pad_begin) or any(pad_end):
+        gyt = op.Pad(gyt, op.ints([0, 0, *pad_begin, 0, 0, *pad_end]))
+    phases = {}
+    for rq, lengths in plan:
+        r = tuple(r for r, _ in rq)
+        if r not in phases:
+            phases[r] = xt if all(s == 1 for s in strides) else \
+                op.Slice(xt, op.ints(r), op.ints([2**62] * n), axes, op.ints(strides))
+        starts = [p - q for p, (_, q) in zip(pad_begin, rq)]
+        dy_k = op.Slice(gyt, op.ints(starts), op.ints([st + ln for st, ln in zip(starts, lengths)]), axes)
+        pairs.append((dy_k, phases[r]))
+    return pairs
+
+
+def _weight_grad_by_offsets(ctx, x, gy, group, m, c_per_group, sizes, out, kernel, strides, dilations, begin,
+                            shift, form):
+    """dw[:, :, k] for each kernel offset k as a contraction over the batch and spatial positions: a GEMM
+    ([M, NL] x [C, NL]^T, batched over groups) or, with one channel per group (depthwise), a product summed."""
+    op = ctx.op
+    m_per_group = m // group
+    columns, flat = [], {}
+
+    def rows(v, per_group):  # [C, N, ...] as [C, NL], or [G, C/G, NL] with groups
+        if v not in flat:
+            flat[v] = op.Reshape(v, op.ints([group, per_group, -1] if group > 1 else [per_group, -1]))
+        return flat[v]
+
+    for dy_k, x_k in _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shift):
+        a, b = rows(dy_k, m_per_group), rows(x_k, c_per_group)
+        if form == "dot":  # one input channel per group: [G, Mg, NL] * [G, 1, NL] summed over NL
+            term = op.ReduceSum(op.Mul(a, b), op.ints([-1]), keepdims=0)
+        elif group == 1:
+            term = op.Gemm(a, b, transB=1)
+        else:
+            term = op.MatMul(a, op.Transpose(b, perm=[0, 2, 1]))
+        columns.append(op.Reshape(term, op.ints([m, c_per_group, 1])))
+    gw = columns[0] if len(columns) == 1 else op.Concat(*columns, axis=2)
+    return op.Reshape(gw, op.ints([m, c_per_group, *kernel]))
+
+
+def _weight_grad_as_conv(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations, begin, end):
     """dw[m, c, k] = sum over n, o of dy[n, m, o] * x[n, c, o*s + k*d - begin], as one Conv.
 
     x becomes the input with batch and channels exchanged, dy the weights likewise; the sum over the batch is
@@ -332,7 +431,8 @@ def conv_transpose(ctx):
     if ctx.needs(1):
         # dw[c, m, k] = sum over n, i of x[n, c, i] * dy[n, m, i*s + k*d - begin]: Conv's weight gradient with dy
         # as the input and x as the output gradient.
-        gw = _conv_weight_grad(ctx, gy, w, x, group, out, sizes, kernel, strides, dilations, begin, end)
+        gw = _conv_weight_grad(ctx, gy, w, x, group, out, sizes, kernel, strides, dilations, begin, end,
+                               shift="x")
     if ctx.needs(2):
         gb = op.ReduceSum(gy, op.ints([0, *range(2, len(sizes) + 2)]), keepdims=0)
     return [gx, gw, gb][:ctx.num_inputs]

@@ -75,6 +75,22 @@ CASES = [
     conv("3d-stride-pads", (1, 2, 5, 4, 4), (2, 2, 3, 2, 2), strides=[2, 1, 2], pads=[1, 0, 0, 0, 1, 1]),
     conv("3d-group2-dil", (1, 4, 5, 4, 4), (2, 2, 2, 2, 2), (2,), group=2, dilations=[2, 1, 1]),
 
+    # Conv, 16 or more input channels per group: the weight gradient as one GEMM per kernel offset
+    conv("gemm-2d-pad1", (2, 16, 4, 4), (3, 16, 3, 3), (3,), pads=[1, 1, 1, 1]),
+    conv("gemm-2d-stride2-asym-pads", (1, 16, 5, 6), (2, 16, 3, 3), strides=[2, 2], pads=[1, 0, 0, 1]),
+    conv("gemm-2d-dilations-stride", (1, 16, 7, 6), (2, 16, 2, 3), strides=[2, 1], dilations=[2, 2],
+         pads=[1, 2, 0, 1]),
+    conv("gemm-2d-same-upper-stride2", (1, 16, 5, 7), (2, 16, 3, 3), strides=[2, 2], auto_pad="SAME_UPPER"),
+    conv("gemm-2d-1x1-stride2", (2, 16, 5, 5), (4, 16, 1, 1), (4,), strides=[2, 2]),
+    conv("gemm-2d-pads-past-the-kernel", (1, 16, 4, 4), (2, 16, 3, 3), pads=[3, 0, 0, 3]),
+    conv("gemm-1d-stride3", (2, 16, 8), (2, 16, 2), strides=[3]),
+    conv("gemm-3d", (1, 16, 3, 4, 3), (2, 16, 2, 2, 2), pads=[1, 0, 1, 0, 1, 0]),
+    conv("gemm-2d-group2", (1, 32, 4, 4), (4, 16, 3, 3), group=2, pads=[1, 1, 1, 1]),
+    conv("gemm-2d-group2-stride2", (1, 32, 5, 5), (4, 16, 3, 3), (4,), group=2, strides=[2, 2], pads=[1, 1, 1, 1]),
+    # depthwise with stride 1: the weight gradient as a product summed per kernel offset
+    conv("2d-depthwise-dilations", (1, 3, 6, 6), (3, 1, 3, 3), group=3, dilations=[2, 2], pads=[2, 2, 2, 2]),
+    conv("2d-depthwise-multiplier2-asym-pads", (1, 4, 5, 5), (8, 1, 3, 3), (8,), group=4, pads=[1, 0, 0, 1]),
+
     # MaxPool: opset 18 scatters with reduction="add", opset 13 in non-overlapping phases
     pool("MaxPool", "2d-k2s2", (2, 2, 4, 5), distinct, kernel_shape=[2, 2], strides=[2, 2]),
     pool("MaxPool", "2d-k2s2-opset13", (2, 2, 4, 5), distinct, opset=13, kernel_shape=[2, 2], strides=[2, 2]),

@@ -56,6 +56,11 @@ CASES = [
          id="ConvTranspose-2d-weights-frozen"),
     Case("ConvTranspose", [np.linspace(-1, 1, 18).reshape(1, 2, 3, 3), (2, 2, 2, 2), (2,)], {"strides": [2, 1]},
          id="ConvTranspose-2d-input-frozen"),
+    # 16 or more output channels per group: the weight gradient as one GEMM per kernel offset
+    convt("gemm-2d-stride2-output-padding", (1, 2, 3, 3), (2, 16, 3, 3), (16,), strides=[2, 2], pads=[1, 1, 1, 1],
+          output_padding=[1, 1]),
+    convt("gemm-2d-asym-pads", (1, 2, 3, 3), (2, 16, 3, 2), strides=[2, 2], pads=[1, 0, 0, 1]),
+    convt("gemm-2d-group2-dilations", (1, 4, 2, 3), (4, 16, 3, 2), group=2, pads=[1, 0, 0, 1], dilations=[1, 2]),
     # 3-D
     convt("3d", (1, 2, 2, 3, 2), (2, 2, 2, 2, 2), (2,), strides=[2, 1, 2]),
     convt("3d-group2-pads", (1, 4, 2, 2, 2), (4, 1, 2, 2, 2), group=2, pads=[1, 0, 0, 0, 1, 1],
