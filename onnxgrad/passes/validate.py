@@ -25,13 +25,14 @@ class Validate(Pass):
             weights.check_model(out)
         except Exception as e:
             raise InternalError(f"the training graph fails the ONNX checker: {str(e).splitlines()[0]}") from None
-        read_types(out, graph.values)
+        untyped = {v.name: v for n in graph.nodes for v in n.outputs if v.name and not v.is_typed}
+        if untyped:
+            read_types(out, untyped)
         build.proto = out
         build.report.update({
             "outputs": [o.name for o in out.graph.output],
             "opset": graph.opset,
             "ir_version": out.ir_version,
-            "untyped_values": sorted(v.name for n in graph.nodes for v in n.outputs if v.name and not v.is_typed),
         })
 
 
