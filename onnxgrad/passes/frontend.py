@@ -3,7 +3,7 @@ lowering that rewrites forms the gradient rules do not take (recurrent ops, sequ
 from __future__ import annotations
 
 from .. import loader, registry
-from ..fold import fold_small_constants
+from ..fold import fold_to_fixed_point
 from ..ir import from_model
 from ..pipeline import Build, Pass
 from ..unroll import lower_for_gradient
@@ -36,10 +36,7 @@ class Infer(Pass):
         proto, o = build.proto, build.options
         loader.bind_shapes(proto, o.input_shapes, o.dims)
         proto = loader.infer_shapes(proto)
-        for _ in range(4):  # exporters' little axes/shape subgraphs; folding one can make the next one static
-            if not fold_small_constants(proto, loader.model_opset(proto)):
-                break
-            proto = loader.infer_shapes(proto)
+        proto = fold_to_fixed_point(proto)  # exporters' little axes/shape subgraphs, until none is left
         build.graph = from_model(proto, build.held)
         build.proto = None
         build.report["forward_nodes"] = len(build.graph.nodes)
