@@ -6,6 +6,8 @@ element per element), noted where they occur.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..registry import rule
 
 
@@ -55,10 +57,11 @@ def neg(ctx):
 
 @rule("Pow", since=13)
 def pow_(ctx):
-    """y = a ** b: da = dy * b * a ** (b - 1), db = dy * y * log(a)"""
+    """y = a ** b: da = dy * b * a ** (b - 1) (0 where b = 0), db = dy * y * log(a) (0 where a = 0 and b >= 0)"""
     a, b, y, gy = ctx.I(0), ctx.I(1), ctx.O(0), ctx.GO(0)
     op = ctx.op
     ga = gb = None
+    b_as_a = None
     if ctx.needs(0):
         # a constant exponent of 1 or 2 gets a shorter form; not one that is trained (a parameter is fed anew)
         exponent = None if ctx.needs(1) else ctx.const_input(1)
@@ -72,9 +75,20 @@ def pow_(ctx):
             # a ** (b - 1) reads forward values only; it is the one node here that can run early.
             power = op.Pow(a, op.Sub(b_as_a, ctx.const_like(1.0, a)))
             ga = op.Mul(op.Mul(gy, b_as_a), power)
+            # b = 0 makes y = 1 for every a, so da = 0; at a = 0 the product would be 0 * inf (as PyTorch)
+            if exponent is None or not np.all(exponent != 0):
+                ga = op.Where(op.Equal(b_as_a, ctx.const_like(0.0, a)), ctx.const_like(0.0, a), ga)
         ga = ctx.unbroadcast(ga, a)
     if ctx.needs(1):
-        gb = ctx.unbroadcast(op.Mul(op.Mul(gy, y), op.Log(a)), b)
+        gb = op.Mul(op.Mul(gy, y), op.Log(a))
+        # a = 0 with b >= 0: y is 0 (or 1) on a whole side of b, so db = 0 where log(a) would make it -inf * 0
+        # (PyTorch masks the same elements)
+        base = ctx.const_input(0)
+        if base is None or not np.all(base != 0):
+            zero = ctx.const_like(0.0, a)
+            at_zero = op.And(op.Equal(a, zero), op.GreaterOrEqual(b, ctx.const_like(0.0, b)))
+            gb = op.Where(at_zero, zero, gb)
+        gb = ctx.unbroadcast(gb, b)
     return [ga, gb]
 
 
