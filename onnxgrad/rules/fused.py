@@ -394,7 +394,7 @@ def _rotary_signs(ctx, x, head_size: int, rotary: int, interleaved: bool, heads:
 
 
 @rule("RotaryEmbedding", since=23, wrt=(0, 1, 2),
-      limits="static head size; cos_cache/sin_cache gradients with position_ids need a static cache shape")
+      limits="the last axis of X must be static")
 def rotary_embedding(ctx):
     """y = R(theta) x on each rotated pair: dx = R(-theta) dy = F R(theta) F dy (F negates the pair's second
     element); dcos = sum_h(dy1*x1 + dy2*x2), dsin = sum_h(dy2*x1 - dy1*x2)"""
