@@ -142,35 +142,78 @@ def _training_options(o: dict) -> dict:
             "optimizer_options": {k: v for k, v in optimizer_options.items() if v is not None}}
 
 
+def _model_flags(command):
+    """The flags of build-grad that the mirror command shares."""
+    flags = [
+        click.argument("model", type=click.Path(dir_okay=True, path_type=str)),
+        click.option("-o", "--output", "output", required=True, type=click.Path(path_type=str),
+                     help="Where to write the training graph (never the input; an existing file is replaced)."),
+        click.option("--loss", metavar="NAME", help="The output to differentiate. Default: the only scalar output."),
+        click.option("--requires-grad", metavar="NAME", multiple=True,
+                     help="Differentiate with respect to these initializers or graph inputs only. Default: every "
+                          "floating-point initializer the loss depends on. Repeatable or comma-separated."),
+        click.option("--frozen", metavar="NAME", multiple=True, help="Initializers that get no gradient."),
+        click.option("--also-grad", metavar="NAME", multiple=True,
+                     help="Intermediate values whose gradients are also output, as <NAME>_grad."),
+        click.option("--input-shape", metavar="NAME=D1xD2..", multiple=True,
+                     help="Fix a graph input's shape, e.g. x=2x3x224x224."),
+        click.option("--dim", metavar="SYMBOL=N", multiple=True, help="Bind a symbolic dimension, e.g. batch=8."),
+    ]
+    tail = [
+        click.option("--save", metavar="NODE", multiple=True,
+                     help="With mirroring: keep this forward node's outputs, never recompute it."),
+        click.option("--recompute", metavar="NODE", multiple=True,
+                     help="With mirroring: recompute this forward node even if the policy would keep it."),
+        click.option("--external-data", is_flag=True,
+                     help="Write the weights to OUTPUT.data beside the output. Default: when the input model has "
+                          "external data, or when one file would pass protobuf's 2 GB limit."),
+        click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),
+                     help="Also write a JSON report: loss, parameters, outputs, node counts, rules used, the "
+                          "seconds of each pass, and with mirroring the plan with a reason per node."),
+        click.option("-f", "--force", is_flag=True, hidden=True,
+                     help="Accepted for old scripts; outputs are always replaced."),
+    ]
+    for flag in reversed(tail):
+        command = flag(command)
+    command = _training_flags(command)
+    for flag in reversed(flags):
+        command = flag(command)
+    return command
+
+
 @cli.command("build-grad", epilog=EXIT_CODES_HELP)
-@click.argument("model", type=click.Path(dir_okay=True, path_type=str))
-@click.option("-o", "--output", "output", required=True, type=click.Path(path_type=str),
-              help="Where to write the training graph (never the input; an existing file is replaced).")
-@click.option("--loss", metavar="NAME", help="The output to differentiate. Default: the only scalar output.")
-@click.option("--requires-grad", metavar="NAME", multiple=True,
-              help="Differentiate with respect to these initializers or graph inputs only. "
-                   "Default: every floating-point initializer the loss depends on. Repeatable or comma-separated.")
-@click.option("--frozen", metavar="NAME", multiple=True, help="Initializers that get no gradient.")
-@click.option("--also-grad", metavar="NAME", multiple=True,
-              help="Intermediate values whose gradients are also output, as <NAME>_grad.")
-@click.option("--input-shape", metavar="NAME=D1xD2..", multiple=True,
-              help="Fix a graph input's shape, e.g. x=2x3x224x224.")
-@click.option("--dim", metavar="SYMBOL=N", multiple=True, help="Bind a symbolic dimension, e.g. batch=8.")
-@_training_flags
-@click.option("--external-data", is_flag=True,
-              help="Write the weights to OUTPUT.data beside the output. Default: when the input model has "
-                   "external data, or when one file would pass protobuf's 2 GB limit.")
-@click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),
-              help="Also write a JSON report: loss, parameters, outputs, node counts, rules used, seconds.")
-@click.option("-f", "--force", is_flag=True, hidden=True, help="Accepted for old scripts; outputs are always replaced.")
-def build_grad(model, output, loss, requires_grad, frozen, also_grad, input_shape, dim, external_data, report, force,
-               **training):
+@_model_flags
+@click.option("--mirror", is_flag=True,
+              help="Recompute cheap activations in the backward pass instead of keeping them (MXNet's backward "
+                   "mirroring; the same as `onnxgrad mirror`).")
+def build_grad(mirror, **flags):
     """Write the training graph of MODEL: its outputs, then <param>_grad for each parameter (initializer
     order), then <value>_grad for each --also-grad value. Parameters stay initializers and are also graph
     inputs, so a caller can feed new values. A non-scalar --loss gets a <loss>_grad input to feed.
 
     --loss-fn first appends a loss (a `target` input, a `loss` output); --optimizer then writes a step graph
     that also updates the parameters, so one run is one training step (see `onnxgrad train`)."""
+    _build_and_write("build-grad", mirror="mxnet" if mirror else None, **flags)
+
+
+@cli.command("mirror", epilog=EXIT_CODES_HELP)
+@_model_flags
+@click.option("--policy", type=click.Choice(["mxnet"]), default="mxnet", show_default=True,
+              help="How to choose what to recompute. mxnet: every op but the compute-heavy ones (Conv, MatMul, "
+                   "Gemm, Einsum, attention, recurrent cells) and losses, less the groups whose storage "
+                   "releases at least what it keeps; random ops are never recomputed.")
+def mirror_cmd(policy, **flags):
+    """Write MODEL's training graph with backward mirroring: cheap forward values are recomputed in the
+    backward pass, just before their first use, instead of being kept from the forward pass. MODEL is a forward
+    model (its gradient is built first, with any build-grad flag) or a training or step graph that build-grad
+    wrote without mirroring. The report (--report, and one line on stderr) gives the simulated peak memory
+    before and after; the written graph's metadata keeps the plan and the onnxruntime settings the saving
+    needs (every onnxgrad runner applies them). Sizes need every dimension known: bind symbols with --dim."""
+    _build_and_write("mirror", mirror=policy, **flags)
+
+
+def _build_and_write(command, model, output, loss, requires_grad, frozen, also_grad, input_shape, dim, save,
+                     recompute, external_data, report, force, mirror, **training):
     from .api import build
     from .loader import parse_dim_bindings, parse_shape_bindings
 
@@ -178,9 +221,13 @@ def build_grad(model, output, loss, requires_grad, frozen, also_grad, input_shap
     if report and os.path.abspath(report) == os.path.abspath(output):
         raise UsageError(f"--report {report}: is the output model; choose another path")
     report_path = check_output_path(report, [model, output], force) if report else None
+    if (save or recompute) and mirror is None:
+        raise UsageError(f"{'--save' if save else '--recompute'}: needs --mirror (or the mirror command)")
     result = build(model, loss=loss, requires_grad=_names(requires_grad) or None, frozen=_names(frozen),
                    also_grad=_names(also_grad), input_shapes=parse_shape_bindings(list(input_shape)),
-                   dims=parse_dim_bindings(list(dim)), weights_apart=True, **_training_options(training))
+                   dims=parse_dim_bindings(list(dim)), weights_apart=True, mirror=mirror,
+                   mirror_options={"save": _names(save), "recompute": _names(recompute)},
+                   **_training_options(training))
     r = result.report
     if not r["parameters"] and not r.get("also_grad"):
         raise UsageError(f"nothing to differentiate: no floating-point initializer reaches the loss {r['loss']!r} "
@@ -189,13 +236,23 @@ def build_grad(model, output, loss, requires_grad, frozen, also_grad, input_shap
     def write_model():
         _save_training_graph(result, model, out, external_data, force)
     if report_path:  # the report and the model, or neither
-        write_along(report_path, json_bytes(_report("build-grad", {"input": str(model), "output": str(out), **r})),
+        write_along(report_path, json_bytes(_report(command, {"input": str(model), "output": str(out), **r})),
                     write_model)
     else:
         write_model()
     log.info("%s: loss %s, %d parameters, %d forward + %d backward nodes, %.2f s", out, r["loss"],
              len(r["parameters"]), r["forward_nodes"], r["backward_nodes"], r["seconds"])
+    if "mirror" in r:
+        m = r["mirror"]
+        p = m["predicted"]
+        log.info("%s: %d forward nodes recomputed; simulated peak %s -> %s (saved activations %s -> %s)", out,
+                 len(m["recomputed"]), _mib(p["unmirrored_peak_bytes"]), _mib(p["peak_bytes"]),
+                 _mib(p["unmirrored_saved_bytes"]), _mib(p["saved_bytes"]))
     click.echo(str(out))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _save_training_graph(result, model: str, out, external_data: bool, force: bool) -> None:

@@ -28,6 +28,18 @@ RUNTIME_HINTS = {
     EXECUTION_ORDER_KEY: "PRIORITY_BASED",
     DISABLED_OPTIMIZERS_KEY: "CommonSubexpressionElimination",
 }
+# onnxruntime's graph fusions (ORT_ENABLE_EXTENDED and above) replace the nodes they fuse by new ones numbered
+# after every node of the file; under PRIORITY_BASED a fused forward node then waits behind the recomputed
+# nodes, which read only forward values, so they run during the forward pass and the saving is gone. A graph
+# with recomputed nodes turns these off as well (the fusions that fire on element-wise and activation tails,
+# normalisations and convolutions; found with `bench/bench_mirror.py --fusions`).
+RECOMPUTE_DISABLED_OPTIMIZERS = (
+    "QuickGeluFusion", "GeluFusion", "FastGeluFusion", "BiasGeluFusion", "LayerNormFusion",
+    "SimplifiedLayerNormFusion", "SkipLayerNormFusion", "BiasSoftmaxFusion", "GemmActivationFusion",
+    "ConvActivationFusion", "ConvAddActivationFusion", "ConvAddFusion", "ConvMulFusion", "ConvBNFusion",
+    "MatMulAddFusion", "MatMulScaleFusion", "ReluClipFusion", "DivMulFusion", "NotWhereFusion",
+)
+
 # Metadata that only means something to a runner of the step graph; an exported forward model drops it.
 TRAINING_METADATA = (STATE_KEY, OPTIMIZER_KEY, LOSS_KEY, LOSS_FN_KEY, EXECUTION_ORDER_KEY, DISABLED_OPTIMIZERS_KEY,
                      PHASES_KEY, MIRROR_KEY)

@@ -56,7 +56,7 @@ class Build:
     parameters: list[Value] = field(default_factory=list)
     also: list[Value] = field(default_factory=list)
     reaches_loss: set[int] = field(default_factory=set)
-    optimizer_settings: dict | None = None
+    training_graph: bool = False                 # the input was written by build-grad (phases in its metadata)
     plan: object = None                          # the recomputation plan the mirror pass applied
     report: dict = field(default_factory=dict)
     facts: set[str] = field(default_factory=set)
@@ -75,8 +75,8 @@ class Pass:
     requires: frozenset[str] = frozenset()
     ensures: frozenset[str] = frozenset()
 
-    def wanted(self, options: Options) -> bool:
-        """Whether the options ask for this stage (always, for the stages that are not optional)."""
+    def wanted(self, build: Build) -> bool:
+        """Whether this build needs the stage (always, for the stages that are not optional)."""
         return True
 
     def run(self, build: Build) -> None:
@@ -88,7 +88,7 @@ def run(build: Build, passes: list[Pass]) -> Build:
     report under "passes"."""
     seconds: dict[str, float] = {}
     for p in passes:
-        if not p.wanted(build.options):
+        if not p.wanted(build):
             continue
         missing = sorted(p.requires - build.facts)
         if missing:
@@ -102,14 +102,18 @@ def run(build: Build, passes: list[Pass]) -> Build:
 
 
 def training_pipeline() -> list[Pass]:
-    """The build of a training graph (or a step graph), in order."""
-    from .passes import frontend, gradient, loss, optimizer, schedule, validate
+    """The build of a training graph (or a step graph), in order. A training graph that build-grad wrote is
+    taken up where it was left (`frontend.Adopt`): the loss, lowering and gradient stages then have nothing
+    to do, and the later stages (mirror) run on it."""
+    from .passes import frontend, gradient, loss, mirror, optimizer, schedule, validate
     return [
         frontend.Read(),
         frontend.Infer(),
+        frontend.Adopt(),
         loss.Heads(),
         frontend.Lower(),
         gradient.Gradient(),
+        mirror.Mirror(),
         schedule.Schedule(),
         optimizer.AppendOptimizer(),
         validate.Validate(),

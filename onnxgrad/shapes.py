@@ -219,3 +219,12 @@ def read_types(model: onnx.ModelProto, values: dict[str, Value]) -> int:
             v.shape = v.shape if v.shape is not None else shape
             filled += 1
     return filled
+
+
+def type_everything(graph) -> None:
+    """Type the values the passes could not type as they built them, with onnx's shape inference over the whole
+    graph (one proto round trip, for types only)."""
+    from onnx import shape_inference
+    untyped = {v.name: v for n in graph.nodes for v in n.outputs if v.name and not v.is_typed}
+    if untyped:
+        read_types(shape_inference.infer_shapes(graph.to_model(weights_apart=True), data_prop=True), untyped)

@@ -2,7 +2,11 @@
 lowering that rewrites forms the gradient rules do not take (recurrent ops, sequences, mask-less Dropout)."""
 from __future__ import annotations
 
+import json
+
 from .. import loader, registry
+from ..contract import FORWARD, GRAD_SUFFIX, LOSS_KEY, OPTIMIZER_KEY, PHASES_KEY
+from ..errors import UsageError
 from ..fold import fold_to_fixed_point
 from ..ir import from_model
 from ..pipeline import Build, Pass
@@ -49,7 +53,48 @@ class Lower(Pass):
     requires = frozenset({"graph", "heads"})
     ensures = frozenset({"lowered"})
 
+    def wanted(self, build: Build) -> bool:
+        return not build.training_graph
+
     def run(self, build: Build) -> None:
         lower_for_gradient(build.graph, build.heads)
         build.reaches_loss = reaching_heads(build.graph, build.heads)
         build.report["forward_nodes"] = len(build.graph.nodes)
+
+
+class Adopt(Pass):
+    """Take up a training graph written by build-grad (its metadata names the loss, its phases tell forward from
+    backward): the heads, parameters and gradient come from the file instead of from the passes that made
+    them. A forward model passes through unchanged."""
+
+    name = "adopt"
+    requires = frozenset({"graph"})
+
+    def wanted(self, build: Build) -> bool:
+        return PHASES_KEY in build.graph.metadata
+
+    def run(self, build: Build) -> None:
+        graph, o = build.graph, build.options
+        if not any(n.phase != FORWARD for n in graph.nodes):
+            raise UsageError(f"the model's {PHASES_KEY} metadata does not match its nodes; rebuild it with "
+                             f"onnxgrad build-grad")
+        asked = [flag for flag, value in (("--loss-fn", o.loss_fn), ("--requires-grad", o.requires_grad),
+                                          ("--also-grad", o.also_grad), ("--frozen", o.frozen),
+                                          ("--optimizer", o.optimizer)) if value]
+        if asked:
+            raise UsageError(f"{asked[0]}: the model is already a training graph (written by onnxgrad build-grad); "
+                             f"give the forward model instead")
+        heads = [name for name in graph.metadata.get(LOSS_KEY, "").split(",") if name]
+        outputs = {v.name: v for v in graph.outputs}
+        if not heads or any(h not in outputs for h in heads):
+            raise UsageError(f"the training graph's {LOSS_KEY} metadata does not name its loss outputs")
+        build.heads = [outputs[h] for h in heads]
+        names = [v.name[:-len(GRAD_SUFFIX)] for v in graph.outputs if v.name.endswith(GRAD_SUFFIX)]
+        if OPTIMIZER_KEY in graph.metadata:  # a step graph: its gradients are not outputs
+            names = json.loads(graph.metadata[OPTIMIZER_KEY]).get("parameters", [])
+        build.parameters = [graph.values[name] for name in names if name in graph.values]
+        build.training_graph = True
+        build.facts |= {"heads", "lowered", "gradient"}
+        build.report.update({"loss": build.heads[0].name, "parameters": [x.name for x in build.parameters],
+                             "also_grad": [], "backward_nodes": sum(n.phase != FORWARD for n in graph.nodes),
+                             "forward_nodes": sum(n.phase == FORWARD for n in graph.nodes), "rules_used": {}})

@@ -17,6 +17,9 @@ class Gradient(Pass):
     requires = frozenset({"graph", "heads", "lowered"})
     ensures = frozenset({"gradient"})
 
+    def wanted(self, build: Build) -> bool:
+        return not build.training_graph
+
     def run(self, build: Build) -> None:
         o, graph, heads = build.options, build.graph, build.heads
         xs = select_parameters(graph, heads, build.reaches_loss, o.requires_grad, o.frozen)

@@ -15,6 +15,9 @@ class Heads(Pass):
     requires = frozenset({"graph", "typed"})
     ensures = frozenset({"heads"})
 
+    def wanted(self, build: Build) -> bool:
+        return not build.training_graph
+
     def run(self, build: Build) -> None:
         o, graph = build.options, build.graph
         loss = o.loss

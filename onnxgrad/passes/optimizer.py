@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .. import optim
-from ..pipeline import Build, Options, Pass
+from ..pipeline import Build, Pass
 
 
 class AppendOptimizer(Pass):
@@ -10,8 +10,8 @@ class AppendOptimizer(Pass):
     requires = frozenset({"gradient", "scheduled"})
     ensures = frozenset({"optimizer"})
 
-    def wanted(self, options: Options) -> bool:
-        return options.optimizer is not None
+    def wanted(self, build: Build) -> bool:
+        return build.options.optimizer is not None
 
     def run(self, build: Build) -> None:
         settings = optim.optimizer_settings(build.options.optimizer, build.options.optimizer_options)

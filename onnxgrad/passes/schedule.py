@@ -3,12 +3,13 @@ records in the metadata (contract.RUNTIME_HINTS). The gradient pass appends the 
 order, which frees each activation soon after its last backward use; the mirror pass places each recomputed
 node just before its first reader. This pass checks that the order is a valid one, repairs it when a pass left
 a node before one of its inputs' producers (a stable topological sort that moves as little as possible), and
-writes the settings."""
+writes the settings (with the fusions a graph with recomputation must not run, contract.py)."""
 from __future__ import annotations
 
 import heapq
 
-from ..contract import LOSS_KEY, RUNTIME_HINTS
+from ..contract import (DISABLED_OPTIMIZERS_KEY, LOSS_KEY, RECOMPUTE, RECOMPUTE_DISABLED_OPTIMIZERS,
+                        RUNTIME_HINTS)
 from ..ir import Graph, Node
 from ..pipeline import Build, Pass
 
@@ -23,6 +24,9 @@ class Schedule(Pass):
         if not is_topological(graph):
             graph.reorder(stable_topological_order(graph.nodes))
         graph.metadata.update(RUNTIME_HINTS)
+        if any(n.phase == RECOMPUTE for n in graph.nodes):
+            disabled = [RUNTIME_HINTS[DISABLED_OPTIMIZERS_KEY], *RECOMPUTE_DISABLED_OPTIMIZERS]
+            graph.metadata[DISABLED_OPTIMIZERS_KEY] = ",".join(disabled)
         graph.metadata[LOSS_KEY] = ",".join(h.name for h in build.heads)
 
 
