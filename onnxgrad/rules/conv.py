@@ -142,9 +142,9 @@ def _conv_weight_grad(ctx, x, w, gy, group, sizes, out, kernel, strides, dilatio
     return _weight_grad_as_conv(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations, begin, end)
 
 
-def _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shift):
-    """Per kernel offset k (in C order): (dy_k, x_k), channel-first [C, N, ...] tensors whose elementwise
-    product summed over all but the channel axis is that offset's term of dw.
+def _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shift, channel_first=True):
+    """Per kernel offset k (in C order): (dy_k, x_k), channel-first [C, N, ...] tensors (or [N, C, ...] as given)
+    whose elementwise product summed over all but the channel axis is that offset's term of dw.
 
     shift="gy": x is split once into its stride phases x_r[i] = x[i*s + r] (a partition of x; for stride 1 x
     itself), and dy, padded once, is sliced per offset: x position o*s + t (t = k*d - begin = q*s + r) is
@@ -155,7 +155,7 @@ def _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shi
     n = len(sizes)
     axes = op.ints(range(2, n + 2))
     first = [1, 0, *range(2, n + 2)]
-    xt, gyt = op.Transpose(x, perm=first), op.Transpose(gy, perm=first)
+    xt, gyt = (op.Transpose(x, perm=first), op.Transpose(gy, perm=first)) if channel_first else (x, gy)
     offsets = list(np.ndindex(*kernel))
     pairs = []
     if shift == "x":
@@ -203,14 +203,20 @@ def _weight_grad_by_offsets(ctx, x, gy, group, m, c_per_group, sizes, out, kerne
             flat[v] = op.Reshape(v, op.ints([group, per_group, -1] if group > 1 else [per_group, -1]))
         return flat[v]
 
-    for dy_k, x_k in _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shift):
-        a, b = rows(dy_k, m_per_group), rows(x_k, c_per_group)
-        if form == "dot":  # one input channel per group: [G, Mg, NL] * [G, 1, NL] summed over NL
-            term = op.ReduceSum(op.Mul(a, b), op.ints([-1]), keepdims=0)
-        elif group == 1:
-            term = op.Gemm(a, b, transB=1)
+    def per_group(v, per_group):  # [N, C, L...] as [N, G, C/G, L'] (the dot form works in the given layout)
+        if v not in flat:
+            flat[v] = op.Reshape(v, op.ints([0, group, per_group, -1]))
+        return flat[v]
+
+    pairs = _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shift,
+                          channel_first=form != "dot")
+    for dy_k, x_k in pairs:
+        if form == "dot":  # one input channel per group: [N, G, Mg, L] * [N, G, 1, L] summed over N and L
+            term = op.ReduceSum(op.Mul(per_group(dy_k, m_per_group), per_group(x_k, 1)), op.ints([0, 3]),
+                                keepdims=0)
         else:
-            term = op.MatMul(a, op.Transpose(b, perm=[0, 2, 1]))
+            a, b = rows(dy_k, m_per_group), rows(x_k, c_per_group)
+            term = op.Gemm(a, b, transB=1) if group == 1 else op.MatMul(a, op.Transpose(b, perm=[0, 2, 1]))
         columns.append(op.Reshape(term, op.ints([m, c_per_group, 1])))
     gw = columns[0] if len(columns) == 1 else op.Concat(*columns, axis=2)
     return op.Reshape(gw, op.ints([m, c_per_group, *kernel]))
