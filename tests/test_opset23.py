@@ -256,3 +256,14 @@ def test_channel_shuffle_net_with_a_dynamic_batch(tmp_path, dims):
     assert sum(n.op_type == "Reshape" for n in proto.graph.node) >= 12
     errors, _ = _grads_vs_torch(model, (x,), path, ["x"], dims=dims)
     assert max(errors.values()) <= 1e-4, errors
+
+
+# the structural gradient-first test of test_gradient_first.py, for the cases above that it does not see
+REFERENCE_INTRINSIC = {"SwiGLU": {"Mul", "Sigmoid"}}   # sigmoid(alpha * a), a function of a alone, as Swish's
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=str)
+def test_reference_cases_are_gradient_first(case):
+    from test_gradient_first import forward_only_large_nodes
+    unexpected = forward_only_large_nodes(case) - REFERENCE_INTRINSIC.get(case.op, set())
+    assert not unexpected, f"{case}: backward nodes {sorted(unexpected)} read only forward values"

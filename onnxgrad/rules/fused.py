@@ -166,7 +166,8 @@ def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
         m_len = mask.shape[-1] if mask.shape else None
         if not (isinstance(m_len, int) and isinstance(skv, int) and m_len == skv):
             # a shorter last axis is padded to Skv with "not allowed" (-inf for a float mask)
-            width = op.Sub(_shape(ctx, [skv]), op.Shape(mask, start=-1))
+            width = skv - m_len if isinstance(m_len, int) and isinstance(skv, int) else \
+                op.Sub(_shape(ctx, [skv]), op.Shape(mask, start=-1))
             pads = _shape(ctx, [0] * (ctx.rank(mask) * 2 - 1) + [width])
             if mask.elem_type == TensorProto.BOOL:
                 padded = op.Cast(op.Pad(op.Cast(mask, to=TensorProto.INT32), pads,
@@ -468,3 +469,52 @@ def swish(ctx):
     gys = op.Mul(gy, s)
     gyy = op.Mul(op.Mul(gy, y), ctx.const_like(alpha, x)) if alpha != 1.0 else op.Mul(gy, y)
     return [op.Add(gys, op.Sub(gyy, op.Mul(gyy, s)))]
+
+
+# -- TensorScatter (opset 24) --------------------------------------------------------------------------------
+@rule("TensorScatter", since=24, wrt=(0, 1))
+def tensor_scatter(ctx):
+    """y = past with update written at write_indices[b] + s along axis: dpast = dy with those places 0
+    (a TensorScatter of zeros), dupdate = dy at those places (GatherElements)"""
+    op = ctx.op
+    past, update, where = ctx.I(0), ctx.I(1), ctx.I(2)
+    gy = ctx.GO(0)
+    rank = ctx.rank(past)
+    axis = ctx.normalize_axis(ctx.attr("axis", -2), rank)
+    mode = ctx.attr("mode", "linear")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    gp = gu = None
+    if ctx.needs(0):
+        gp = op.TensorScatter(gy, ctx.zeros_like(update), where, axis=axis, mode=mode)
+    if ctx.needs(1):
+        # the place of update[b, ..., s, ...] in the cache: write_indices[b] + s (modulo the cache length)
+        along = [1] * rank
+        along[axis] = -1
+        steps = op.Reshape(op.Range(_scalar(ctx, 0), _scalar(ctx, _dim(ctx, update, axis)), _scalar(ctx, 1)),
+                           op.ints(along))
+        places = steps
+        if where is not None:
+            places = op.Add(op.Reshape(where, op.ints([-1] + [1] * (rank - 1))), steps)
+        if mode == "circular":
+            places = op.Mod(places, op.Reshape(_scalar(ctx, _dim(ctx, past, axis)), op.ints([1])))
+        gu = op.GatherElements(gy, op.Expand(places, ctx.shape_of(update)), axis=axis)
+    return [gp, gu, None][:ctx.num_inputs]
+
+
+# -- SwiGLU (opset 28) ---------------------------------------------------------------------------------------
+@rule("SwiGLU", since=28)
+def swiglu(ctx):
+    """y = a * s * b, s = sigmoid(alpha*a): db = (dy*a)*s, da = t + alpha*(t*a)*(1 - s) with t = (dy*b)*s"""
+    a, b, gy, op = ctx.I(0), ctx.I(1), ctx.GO(0), ctx.op
+    alpha = ctx.attr("alpha", 1.0)
+    s = op.Sigmoid(op.Mul(a, ctx.const_like(alpha, a)) if alpha != 1.0 else a)  # a function of a alone
+    ga = gb = None
+    if ctx.needs(0):
+        t = op.Mul(op.Mul(gy, b), s)
+        ta = op.Mul(t, a)
+        if alpha != 1.0:
+            ta = op.Mul(ta, ctx.const_like(alpha, a))
+        ga = op.Add(t, op.Sub(ta, op.Mul(ta, s)))
+    if ctx.needs(1):
+        gb = op.Mul(op.Mul(gy, a), s)
+    return [ga, gb]

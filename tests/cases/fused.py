@@ -101,3 +101,17 @@ REFERENCE_CASES = [
     Case("Attention", [(1, 2, 2, 2), (1, 2, 3, 2), (1, 2, 3, 2), (1, 1, 2, 3)],
          {"left_window_size": 0, "is_causal": 1}, id="Attention-window-float-mask", opset=25),
 ]
+
+CASES += [
+    # TensorScatter (opset 24): a key/value cache update
+    Case("TensorScatter", [(2, 2, 5, 3), (2, 2, 2, 3), np.array([1, 3])], id="TensorScatter", opset=24),
+    Case("TensorScatter", [(2, 5, 3), (2, 2, 3), np.array([4, 0])], {"axis": 1, "mode": "circular"},
+         id="TensorScatter-circular-axis1", opset=24),
+    Case("TensorScatter", [(2, 4, 3), (2, 3, 3)], {"axis": 1}, id="TensorScatter-no-indices", opset=24),
+]
+
+# SwiGLU (opset 28): no onnxruntime runs opset 28 yet, so it is checked against the reference evaluator
+REFERENCE_CASES += [
+    Case("SwiGLU", [(2, 3), (2, 3)], id="SwiGLU", opset=28),
+    Case("SwiGLU", [(2, 3), (2, 3)], {"alpha": 1.7}, id="SwiGLU-alpha", opset=28),
+]
