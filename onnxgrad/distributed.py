@@ -79,7 +79,8 @@ def partition(sizes: dict[str, int], world: int) -> dict[str, int]:
     (ties to the lower rank), so every process computes the same deal."""
     load = [0] * world
     owner = {}
-    for name in sorted(sizes, key=lambda n: (-sizes[n], list(sizes).index(n))):
+    position = {name: i for i, name in enumerate(sizes)}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], position[n])):
         rank = min(range(world), key=lambda r: (load[r], r))
         owner[name] = rank
         load[rank] += sizes[name]
@@ -222,7 +223,7 @@ class DataParallelTrainer(StepGraphTrainer):
             if name not in self._tensors:
                 first = self._tensor(graph.initial[name])
                 self._tensors[name] = [first, self.torch.empty_like(first)]
-        self._buffers = {name: [ort.OrtValue.from_dlpack(t) for t in pair] for name, pair in self._tensors.items()}
+        self._buffers = {name: [self._shared(t) for t in pair] for name, pair in self._tensors.items()}
 
         # Gradient buckets: consecutive gradients of one element type, up to bucket_mb each; the loss rides
         # in the last bucket of its type (one collective less), else in a bucket of its own.
@@ -249,10 +250,20 @@ class DataParallelTrainer(StepGraphTrainer):
             for name, shape in members:
                 size = int(np.prod(shape))
                 view = flat[offset:offset + size].view(shape)
-                self._grad_values[name] = (view, ort.OrtValue.from_dlpack(view))
+                self._grad_values[name] = (view, self._shared(view))
                 offset += size
             self._buckets.append(flat)
         self._loss_tensor = self._grad_values[graph.loss][0]
+
+    def _shared(self, tensor) -> ort.OrtValue:
+        """An OrtValue on the tensor's memory (DLPack; on the CPU, numpy's buffer where onnxruntime has no
+        DLPack import)."""
+        if hasattr(ort.OrtValue, "from_dlpack"):
+            return ort.OrtValue.from_dlpack(tensor)
+        if self.device == "cpu":
+            return ort.OrtValue.ortvalue_from_numpy(tensor.numpy())
+        raise UsageError(f"onnxruntime {ort.__version__} cannot share CUDA memory with PyTorch "
+                         f"(no OrtValue.from_dlpack); upgrade onnxruntime-gpu")
 
     def _gradient_binding(self, source: int) -> ort.IOBinding:
         binding = self.grad_session.io_binding()

@@ -253,6 +253,15 @@ def test_split_graphs_run_as_the_step_graph():
         assert optimizer_node_mask(unmarked)[0] == optimizer_node_mask(step)[0]
 
 
+def test_zero1_deals_parameters_largest_first_to_the_least_loaded():
+    from onnxgrad.distributed import partition
+
+    sizes = {"a.weight": 100, "a.bias": 10, "b.weight": 100, "b.bias": 10, "c.weight": 50}
+    assert partition(sizes, 2) == {"a.weight": 0, "b.weight": 1, "c.weight": 0, "a.bias": 1, "b.bias": 1}
+    assert set(partition(sizes, 1).values()) == {0}
+    assert sorted(partition(sizes, 8).values())[:3] == [0, 1, 2]
+
+
 def test_bad_phases_metadata_and_missing_torch(monkeypatch, tmp_path, capsys):
     import onnxgrad
     from onnxgrad.cli import main
