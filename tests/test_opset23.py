@@ -267,3 +267,39 @@ def test_reference_cases_are_gradient_first(case):
     from test_gradient_first import forward_only_large_nodes
     unexpected = forward_only_large_nodes(case) - REFERENCE_INTRINSIC.get(case.op, set())
     assert not unexpected, f"{case}: backward nodes {sorted(unexpected)} read only forward values"
+
+
+# -- symbolic batch and sequence: the rules build their shapes at run time ------------------------------------
+@pytest.mark.parametrize("form", ["4d-gqa-mask", "3d-gqa-causal", "rms-rotary"])
+def test_symbolic_dims_give_the_gradients_of_static_ones(form):
+    rng = np.random.default_rng(0)
+    if form == "4d-gqa-mask":
+        shapes = {"q": ["B", 4, "S", 2], "k": ["B", 2, "S", 2], "v": ["B", 2, "S", 3], "m": ["B", 1, "S", "S"]}
+        sizes = {"B": 2, "S": 3}
+        nodes = [h.make_node("Attention", ["q", "k", "v", "m"], ["y"], is_causal=1)]
+    elif form == "3d-gqa-causal":
+        shapes = {"q": ["B", "S", 8], "k": ["B", "S", 4], "v": ["B", "S", 4]}
+        sizes = {"B": 2, "S": 3}
+        nodes = [h.make_node("Attention", ["q", "k", "v"], ["y"], is_causal=1, q_num_heads=4, kv_num_heads=2)]
+    else:
+        shapes = {"q": ["B", 2, "S", 4], "k": [4]}
+        sizes = {"B": 2, "S": 3}
+        nodes = [h.make_node("RMSNormalization", ["q", "k"], ["n"]),
+                 h.make_node("RotaryEmbedding", ["n", "cos", "sin"], ["y"])]
+    nodes.append(h.make_node("ReduceSumSquare", ["y"], ["loss"], keepdims=0))
+    inits = []
+    if form == "rms-rotary":
+        angles = np.arange(12, dtype=np.float32).reshape(2, 3, 2) * 0.3
+        inits = [onnx.numpy_helper.from_array(f(angles), name) for f, name in ((np.cos, "cos"), (np.sin, "sin"))]
+
+    def build(dims):
+        inputs = [h.make_tensor_value_info(n, T.FLOAT, [sizes[d] if dims and isinstance(d, str) else d for d in s])
+                  for n, s in shapes.items()]
+        m = h.make_model(h.make_graph(nodes, "m", inputs, [h.make_tensor_value_info("loss", T.FLOAT, [])], inits),
+                         opset_imports=[h.make_opsetid("", 23)])
+        return onnxgrad.build_gradient(m, requires_grad=list(shapes))
+    feeds = {n: rng.standard_normal([sizes.get(d, d) for d in s]).astype(np.float32) for n, s in shapes.items()}
+    static, symbolic = build(True), build(False)
+    got = [runtime.session(t, "cpu").run(None, feeds) for t in (static, symbolic)]
+    for a, b in zip(*got):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,5 @@
-"""Gradient rules: the fused ops of the newest opsets (Attention, RMSNormalization, RotaryEmbedding, Swish).
+"""Gradient rules: the ops of opsets 23 and newer (Attention, RMSNormalization, RotaryEmbedding; Swish and
+TensorScatter at 24; SwiGLU at 28).
 
 Attention keeps its fused forward kernel and gets a memory-efficient backward: the probabilities P (one
 [B, H, Sq, Skv] tensor per layer) are not kept from the forward pass but recomputed from Q and K inside the
@@ -55,10 +56,6 @@ def _cast(ctx, v, from_type: int, to_type: int):
     return v if v is None or from_type == to_type else ctx.op.Cast(v, to=to_type)
 
 
-def _int_attr(ctx, name: str, default: int | None = None) -> int | None:
-    return ctx.attr(name, default) if ctx.node.has_attr(name) else default
-
-
 # -- Attention -----------------------------------------------------------------------------------------------
 class _Heads:
     """How an Attention node lays out its operands, and the Einsum subscripts that read them in place.
@@ -70,10 +67,10 @@ class _Heads:
 
     def __init__(self, ctx):
         self.ctx = ctx
-        q, k, v = ctx.I(0), ctx.I(1), ctx.I(2)
+        q, k = ctx.I(0), ctx.I(1)
         self.rank = rank = ctx.rank(q)
         if rank == 3:
-            self.hq, self.hkv = _int_attr(ctx, "q_num_heads"), _int_attr(ctx, "kv_num_heads")
+            self.hq, self.hkv = ctx.attr("q_num_heads"), ctx.attr("kv_num_heads")
             if not self.hq or not self.hkv:
                 raise ctx.unsupported("3-D Q, K, V need the q_num_heads and kv_num_heads attributes")
         elif rank == 4:
@@ -86,7 +83,6 @@ class _Heads:
             raise ctx.unsupported(f"{self.hq} query heads do not divide into {self.hkv} key/value heads")
         self.group = self.hq // self.hkv
         self.dq = self._head_size(q, self.hq)
-        self.dv = self._head_size(v, self.hkv)
         self.cached = ctx.I(4) is not None
         grouped = "hg" if self.group > 1 else "h"
         self.q_sub = f"b{grouped}qd" if rank == 4 else f"bq{grouped}d"
@@ -126,8 +122,8 @@ class _Heads:
         """K or V as [B, H, Skv, D], the layout of past and present key/value."""
         return v if self.rank == 4 else self.ctx.op.Transpose(self.k_view(v), perm=[0, 2, 1, 3])
 
-    def k_unview(self, g, like):
-        """A K-side gradient (layout k_sub) in the layout of `like`, a K or V input."""
+    def k_unview(self, g):
+        """A K-side gradient (layout k_sub) in the layout of the K and V inputs."""
         ctx = self.ctx
         if self.rank == 4:
             return g
@@ -218,8 +214,7 @@ def attention(ctx):
     """Y = P V, P = softmax(scale*Q K^T (softcapped) + bias), P recomputed: dV = P^T dY, dP = dY V^T,
     dL = P*(dP - rowsum(dY*Y)), dQ = scale*dL K, dK = scale*dL^T Q (through softcap: dL*(1 - t^2))"""
     op = ctx.op
-    q, k, v = ctx.I(0), ctx.I(1), ctx.I(2)
-    mask, past_k, past_v = ctx.I(3), ctx.I(4), ctx.I(5)
+    q, mask, past_k = ctx.I(0), ctx.I(3), ctx.I(4)
     heads = _Heads(ctx)
     t = ctx.elem_type(q)
     scale = ctx.attr("scale", None)
@@ -336,7 +331,7 @@ def _split_cache(ctx, heads: _Heads, g_total, i_in: int, i_past: int):
         g_total = op.Add(g_total, g_present if heads.k_sub == "bhkd" else op.Transpose(g_present, perm=[0, 2, 1, 3]))
     x, past = ctx.I(i_in), ctx.I(i_past)
     if past is None:
-        return heads.k_unview(g_total, x), None
+        return heads.k_unview(g_total), None
     new_len = _dim(ctx, x, 2 if heads.rank == 4 else 1)
     g_past, g_new = op.Split(g_total, _shape(ctx, [_dim(ctx, past, 2), new_len]), axis=2, outputs=2)
     if heads.rank == 3:

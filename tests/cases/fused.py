@@ -10,7 +10,13 @@ import numpy as np
 from gradcheck import Case
 
 CAUSAL_2x3 = np.array([[True, True, False], [True, True, True]])
-ROWS = ["out0"]
+
+
+def _angles(*shape, step=1.0):
+    """cos and sin caches of the given shape."""
+    a = np.arange(int(np.prod(shape))).reshape(shape) * step
+    return np.cos(a), np.sin(a)
+
 
 CASES = [
     # Attention, 4-D [B, H, S, D]
@@ -65,14 +71,12 @@ CASES = [
     Case("RMSNormalization", [(2, 4), (4,)], id="RMSNorm-float32-stash", opset=23, dtype=np.float32, tol=2e-3),
 
     # RotaryEmbedding (float32 only)
-    Case("RotaryEmbedding", [(1, 2, 3, 4), np.cos(np.arange(6).reshape(1, 3, 2)), np.sin(np.arange(6).reshape(1, 3, 2))],
-         id="Rotary-4d", opset=23, dtype=np.float32, tol=2e-3),
-    Case("RotaryEmbedding", [(1, 3, 8), np.cos(np.arange(8).reshape(4, 2) * 0.3), np.sin(np.arange(8).reshape(4, 2) * 0.3),
-                             np.array([[0, 2, 3]])],
+    Case("RotaryEmbedding", [(1, 2, 3, 4), *_angles(1, 3, 2)], id="Rotary-4d", opset=23, dtype=np.float32, tol=2e-3),
+    Case("RotaryEmbedding", [(1, 3, 8), *_angles(4, 2, step=0.3), np.array([[0, 2, 3]])],
          {"num_heads": 2, "interleaved": 1}, id="Rotary-3d-interleaved-positions", opset=23, dtype=np.float32,
          tol=2e-3),
-    Case("RotaryEmbedding", [(1, 2, 2, 6), np.cos(np.arange(4).reshape(1, 2, 2)), np.sin(np.arange(4).reshape(1, 2, 2))],
-         {"rotary_embedding_dim": 4}, id="Rotary-partial", opset=23, dtype=np.float32, tol=2e-3),
+    Case("RotaryEmbedding", [(1, 2, 2, 6), *_angles(1, 2, 2)], {"rotary_embedding_dim": 4}, id="Rotary-partial",
+         opset=23, dtype=np.float32, tol=2e-3),
     Case("RotaryEmbedding", [(1, 2, 2, 4), (1, 2, 2), (1, 2, 2)], id="Rotary-cache-grads", opset=23,
          dtype=np.float32, tol=2e-3),
     Case("RotaryEmbedding", [(1, 2, 2, 4), (3, 2), (3, 2), np.array([[2, 0]])], {"interleaved": 1},
