@@ -185,7 +185,7 @@ def fold_small_constants(model: onnx.ModelProto, opset: int) -> int:
         if node.op_type in ("Shape", "Size") and node.input[0] in dims:
             shape = dims[node.input[0]]
             if node.op_type == "Size":
-                if all(d is not None for d in shape):
+                if all(isinstance(d, int) for d in shape):
                     outputs = [np.asarray(np.prod(shape, dtype=np.int64), dtype=np.int64)]
             else:
                 p = _shape_partial(node, shape)

@@ -112,3 +112,13 @@ def test_a_deep_shuffle_chain_builds_and_matches_numpy():
     for _ in range(10):
         y = y.reshape(2, 2, 4, 3).transpose(0, 2, 1, 3).reshape(2, 8, 3)
     np.testing.assert_allclose(out["w_grad"], y.sum(0), rtol=1e-5)
+
+
+def test_size_folds_only_when_every_dim_is_static():
+    def size_model(shape):
+        return _model([h.make_node("Size", ["x"], ["n"])], [h.make_tensor_value_info("x", T.FLOAT, shape)],
+                      [h.make_tensor_value_info("n", T.INT64, [])])
+    assert fold.fold_small_constants(size_model(["N", 3]), 18) == 0
+    static = size_model([2, 3])
+    assert fold.fold_small_constants(static, 18) == 1
+    assert onnx.numpy_helper.to_array(static.graph.node[0].attribute[0].t) == 6
