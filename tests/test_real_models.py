@@ -261,3 +261,12 @@ def test_gradients_match_torch(exported):
     assert not bad, f"{where}: gradients differ from torch (relative L2): {bad}"
     big = {k: e for k, e in c.zero.items() if not e <= 1e-6}
     assert not big, f"{where}: gradients that are analytically zero are not about 0: {big}"
+
+
+def test_mirrored_graph_gives_the_same_gradients(exported):
+    from test_mirror import assert_same_outputs
+    buffers = [k for k, _ in exported.model.named_buffers() if k in {t.name for t in exported.onnx.graph.initializer}]
+    plain = onnxgrad.build(exported.path, frozen=buffers or None)
+    mirrored = onnxgrad.build(exported.path, frozen=buffers or None, mirror="mxnet")
+    assert_typed(mirrored.model)
+    assert_same_outputs(plain.model, mirrored.model)

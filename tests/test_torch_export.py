@@ -136,3 +136,13 @@ def test_gradients_match_torch(exported):
         errors[k] = float(np.linalg.norm(ours - theirs) / max(np.linalg.norm(theirs), 1e-30))
     bad = {k: e for k, e in errors.items() if not e <= 1e-4}
     assert not bad, f"{name}: gradients differ from torch (relative L2): {bad}"
+
+
+def test_mirrored_export_gives_the_same_gradients(exported):
+    from test_mirror import assert_same_outputs
+    name, model, args, path = exported
+    buffers = [b for b, _ in model.named_buffers() if b.endswith(("running_mean", "running_var"))] or None
+    plain = onnxgrad.build(path, frozen=buffers)
+    mirrored = onnxgrad.build(path, frozen=buffers, mirror="mxnet")
+    assert_typed(mirrored.model)
+    assert_same_outputs(plain.model, mirrored.model)

