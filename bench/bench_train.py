@@ -8,6 +8,12 @@ Three models, each written here with onnx.helper and mirrored op for op in PyTor
   cnn  [3,32,32] Conv 32 3x3, Relu, MaxPool 2, Conv 64 3x3, Relu, MaxPool 2, Gemm 128, Relu, Gemm 10; batch 64
   gpt  GPT-2-style: token + position embeddings, 4 pre-LN blocks (causal 4-head attention, tanh-Gelu MLP 4x),
        final LayerNorm, LM head, cross-entropy; vocab 512, width 128, context 64, batch 8
+  gpt12  the same with 12 blocks
+  resnet50  torchvision's ResNet-50 layout (7x7 stem, max pool, bottlenecks [3, 4, 6, 3] of widths 64-512 x4,
+       global average pool, linear 100), BatchNormalization in inference form (frozen statistics, learned scale
+       and shift); [3,64,64], batch 8
+  mobilenet  torchvision's MobileNetV2 layout (inverted residuals with depthwise 3x3 convs, ReLU6, widths 16-320,
+       1x1 conv to 1280, global average pool, linear 100), BatchNormalization as above; [3,96,96], batch 16
 One step = forward, backward and a plain SGD update (`p -= lr * grad`) on one fixed batch:
   ours   the step graph (`onnxgrad.build_gradient` plus an SGD update, parameters kept in OrtValues and bound
          with IOBinding by onnxgrad.runner.StepGraphTrainer), CPU provider, the graph's session settings
@@ -162,6 +168,125 @@ def gpt_model(vocab=GPT["vocab"], d=GPT["d"], heads=GPT["heads"], t=GPT["t"], la
                            helper.make_tensor_value_info("labels", INT64, ["N", t])], "GPT-2-style stack")
 
 
+class ConvNetOnnx(Writer):
+    """The conv nets' layers as ONNX nodes (see conv_net); parameters He-normal, BatchNorm statistics fixed."""
+
+    def conv(self, x, name, c_in, c_out, k, stride=1, groups=1):
+        fan_in = c_in // groups * k * k
+        weight = self.param(f"{name}.weight", None, value=self.rng.normal(0, np.sqrt(2.0 / fan_in),
+                                                                            (c_out, c_in // groups, k, k)))
+        return self.node("Conv", [x, weight], kernel_shape=[k, k], strides=[stride, stride],
+                         pads=[(k - 1) // 2] * 4, group=groups)
+
+    def bn(self, x, name, c, gamma=1.0):
+        inputs = [self.param(f"{name}.weight", None, value=np.full(c, gamma)),
+                  self.param(f"{name}.bias", None, value=np.zeros(c)),
+                  self.param(f"{name}.running_mean", None, value=self.rng.uniform(-0.1, 0.1, c)),
+                  self.param(f"{name}.running_var", None, value=self.rng.uniform(0.8, 1.2, c))]
+        return self.node("BatchNormalization", [x, *inputs], epsilon=1e-5)
+
+    def relu(self, x):
+        return self.node("Relu", [x])
+
+    def relu6(self, x):
+        return self.node("Clip", [x, self.const(0.0), self.const(6.0)])
+
+    def add(self, a, b):
+        return self.node("Add", [a, b])
+
+    def max_pool(self, x):
+        return self.node("MaxPool", [x], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+
+    def head(self, x, c_in, classes):
+        h = self.node("Flatten", [self.node("GlobalAveragePool", [x])], axis=1)
+        h = self.node("Gemm", [h, self.param("fc.weight", (classes, c_in), c_in),
+                               self.param("fc.bias", (classes,), c_in)], transB=1)
+        self.cross_entropy(h, "labels")
+
+
+class ConvNetTorch:
+    """The same layers in torch.nn.functional on the parameters loaded from the ONNX initializers."""
+
+    def __init__(self, params):
+        import torch
+        import torch.nn.functional as F
+        self.p, self.torch, self.F = params, torch, F
+
+    def conv(self, x, name, c_in, c_out, k, stride=1, groups=1):
+        return self.F.conv2d(x, self.p[f"{name}.weight"], None, stride, (k - 1) // 2, 1, groups)
+
+    def bn(self, x, name, c, gamma=1.0):
+        p = self.p
+        return self.F.batch_norm(x, p[f"{name}.running_mean"].detach(), p[f"{name}.running_var"].detach(),
+                                 p[f"{name}.weight"], p[f"{name}.bias"], False, 0.0, 1e-5)
+
+    def relu(self, x):
+        return self.torch.relu(x)
+
+    def relu6(self, x):
+        return self.torch.clamp(x, 0.0, 6.0)
+
+    def add(self, a, b):
+        return a + b
+
+    def max_pool(self, x):
+        return self.F.max_pool2d(x, 3, 2, 1)
+
+    def head(self, x, c_in, classes):
+        h = x.mean((2, 3), keepdim=True).flatten(1)
+        return lambda labels: self.F.cross_entropy(self.F.linear(h, self.p["fc.weight"], self.p["fc.bias"]),
+                                                   labels)
+
+
+def resnet50(net, x, classes=100):
+    """ResNet-50: bottleneck blocks (1x1, 3x3 with the stride, 1x1 x4; projection shortcut where the shape
+    changes); the last BatchNorm of each block starts at scale 0.2 so that the frozen-statistics net stays finite."""
+    h = net.max_pool(net.relu(net.bn(net.conv(x, "stem", 3, 64, 7, 2), "stem.bn", 64)))
+    c_in = 64
+    for stage, (width, blocks, stride) in enumerate([(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)]):
+        for i in range(blocks):
+            p, s = f"l{stage}.{i}", stride if i == 0 else 1
+            y = net.relu(net.bn(net.conv(h, f"{p}.conv1", c_in, width, 1), f"{p}.bn1", width))
+            y = net.relu(net.bn(net.conv(y, f"{p}.conv2", width, width, 3, s), f"{p}.bn2", width))
+            y = net.bn(net.conv(y, f"{p}.conv3", width, 4 * width, 1), f"{p}.bn3", 4 * width, gamma=0.2)
+            if i == 0:
+                h = net.bn(net.conv(h, f"{p}.down", c_in, 4 * width, 1, s), f"{p}.down.bn", 4 * width)
+            h = net.relu(net.add(h, y))
+            c_in = 4 * width
+    return net.head(h, c_in, classes)
+
+
+def mobilenet_v2(net, x, classes=100):
+    """MobileNetV2: inverted residuals (1x1 expand x t, depthwise 3x3 with the stride, 1x1 project; residual
+    where the shape is kept), ReLU6."""
+    h = net.relu6(net.bn(net.conv(x, "stem", 3, 32, 3, 2), "stem.bn", 32))
+    c_in = 32
+    for stage, (t, c, n, stride) in enumerate([(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
+                                               (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)]):
+        for i in range(n):
+            p, s, hidden = f"b{stage}.{i}", stride if i == 0 else 1, c_in * t
+            y = h
+            if t != 1:
+                y = net.relu6(net.bn(net.conv(y, f"{p}.expand", c_in, hidden, 1), f"{p}.expand.bn", hidden))
+            y = net.relu6(net.bn(net.conv(y, f"{p}.dw", hidden, hidden, 3, s, groups=hidden), f"{p}.dw.bn", hidden))
+            y = net.bn(net.conv(y, f"{p}.project", hidden, c, 1), f"{p}.project.bn", c, gamma=0.5)
+            h = net.add(h, y) if s == 1 and c_in == c else y
+            c_in = c
+    h = net.relu6(net.bn(net.conv(h, "last", c_in, 1280, 1), "last.bn", 1280))
+    return net.head(h, 1280, classes)
+
+
+CONV_NETS = {"resnet50": (resnet50, [3, 64, 64], 8, 13), "mobilenet": (mobilenet_v2, [3, 96, 96], 16, 14)}
+
+
+def conv_net_model(name):
+    build, image, _, seed = CONV_NETS[name]
+    w = ConvNetOnnx(seed=seed)
+    build(w, "x")
+    return w.model(name, [helper.make_tensor_value_info("x", FLOAT, ["N", *image]),
+                          helper.make_tensor_value_info("labels", INT64, ["N"])], name)
+
+
 def batch_for(name, rng):
     if name == "mlp":
         return {"x": rng.standard_normal((128, 784)).astype(np.float32),
@@ -169,11 +294,17 @@ def batch_for(name, rng):
     if name == "cnn":
         return {"x": rng.standard_normal((64, 3, 32, 32)).astype(np.float32),
                 "labels": rng.integers(0, 10, 64).astype(np.int64)}
+    if name in CONV_NETS:
+        _, image, batch, _ = CONV_NETS[name]
+        return {"x": rng.standard_normal((batch, *image)).astype(np.float32),
+                "labels": rng.integers(0, 100, batch).astype(np.int64)}
     tokens = rng.integers(0, GPT["vocab"], (8, GPT["t"] + 1)).astype(np.int64)
     return {"tokens": tokens[:, :-1].copy(), "labels": tokens[:, 1:].copy()}
 
 
-MODELS = {"mlp": mlp_model, "cnn": cnn_model, "gpt": gpt_model}
+GPT_LAYERS = {"gpt": GPT["layers"], "gpt12": 12}
+MODELS = {"mlp": mlp_model, "cnn": cnn_model, "gpt": gpt_model, "gpt12": lambda: gpt_model(layers=12),
+          "resnet50": lambda: conv_net_model("resnet50"), "mobilenet": lambda: conv_net_model("mobilenet")}
 
 
 # -- the same models in PyTorch ------------------------------------------------------------------------------
@@ -200,14 +331,17 @@ def torch_loss_fn(name, params):
             h = torch.relu(F.linear(h.flatten(1), params["fc0.weight"], params["fc0.bias"]))
             return F.cross_entropy(F.linear(h, params["fc1.weight"], params["fc1.bias"]), b["labels"])
         return loss
+    if name in CONV_NETS:
+        build = CONV_NETS[name][0]
+        return lambda b: build(ConvNetTorch(params), b["x"])(b["labels"])
     d, heads, t, vocab = GPT["d"], GPT["heads"], GPT["t"], GPT["vocab"]
-    mask = torch.triu(torch.full((t, t), -1e9), diagonal=1)
+    mask = torch.triu(torch.full((t, t), -1e9), diagonal=1).to(params["wte"].device)
     scale = 1.0 / np.sqrt(d // heads)
 
     def loss(b):
         x = params["wte"][b["tokens"]] + params["wpe"]
         n = x.shape[0]
-        for i in range(GPT["layers"]):
+        for i in range(GPT_LAYERS[name]):
             p = f"h{i}"
             h = F.layer_norm(x, (d,), params[f"{p}.ln1.weight"], params[f"{p}.ln1.bias"], 1e-5)
             qkv = h @ params[f"{p}.attn.qkv.weight"] + params[f"{p}.attn.qkv.bias"]

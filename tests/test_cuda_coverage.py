@@ -129,3 +129,49 @@ def test_fallback_lines_name_node_and_phase():
     model.metadata_props.add(key="onnxgrad.phases", value='[["forward",1]]')
     assert cuda_fallbacks(model) == ["Pad node 'pad_labels' [forward]: no CUDA kernel for the types T=int64"]
     assert cuda_coverage(model) == (0, 1)
+
+
+# -- bench/gpu_check.py, the parts that need no GPU ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_names_missing_libraries_and_the_pip_line(gpu_check):
+    assert gpu_check.cuda_major("13.0") == 13 and gpu_check.cuda_major(None) == 12
+    present = {"libcuda.so.1", "libcudart.so.13", "libcurand.so.10"}
+
+    def load(name):
+        if name not in present:
+            raise OSError(name)
+    missing = gpu_check.missing_libraries(13, load)
+    assert missing == ["libcublas.so.13", "libcublasLt.so.13", "libcudnn.so.9"]
+    assert gpu_check.install_command("1.31.1", 13, missing) == \
+        'pip install onnxruntime-gpu==1.31.1 "nvidia-cublas~=13.0" "nvidia-cudnn-cu13~=9.0"'
+
+
+def test_gpu_check_reads_placement_memory_and_prints_one_table(gpu_check):
+    events = [{"cat": "Node", "name": f"{n}_kernel_time",
+               "args": {"provider": p, "op_name": op, "output_type_shape": [{t: [2]}]}}
+              for n, p, op, t in [("a", "CUDAExecutionProvider", "Conv", "float"),
+                                  ("b", "CPUExecutionProvider", "Shape", "int64"),
+                                  ("c", "CPUExecutionProvider", "SoftmaxCrossEntropyLoss", "float"),
+                                  ("c", "CPUExecutionProvider", "SoftmaxCrossEntropyLoss", "float"),
+                                  ("d", "CPUExecutionProvider", "MemcpyToHost", "float")]]
+    by_provider = gpu_check.placement(events)
+    assert by_provider["CUDAExecutionProvider"] == {"Conv": 1}
+    assert gpu_check.cpu_nodes(by_provider) == ({"SoftmaxCrossEntropyLoss": 1}, {"Shape": 1})
+    assert gpu_check.parse_compute_apps("12, 300\n7, 1024\n7, 10\n", 7) == 1034.0
+    assert gpu_check.parse_compute_apps("12, 300\n", 7) is None
+    table = gpu_check.format_table([{"model": "mlp", "table_fallbacks": "none", "cpu_nodes": {}, "grad_error": 1e-7,
+                                     "ours_ms": 1.5, "torch_ms": 2.0, "ratio": 0.75, "ours_mib": 100.0,
+                                     "torch_mib": None, "cli": "ok"}, {"model": "cnn", "cli": "failed: X"}])
+    lines = table.splitlines()
+    assert len(lines) == 4 and "| mlp | none | none | 1.0e-07 | 1.50 | 2.00 | 0.75x | 100 | n/a | ok |" == lines[2]
+    assert lines[3].startswith("| cnn | n/a | none | n/a |")
