@@ -266,6 +266,48 @@ def _save_training_graph(result, model: str, out, external_data: bool, force: bo
     save_model(result.model, out, weights=result.weights, external_data=external)
 
 
+@cli.command("memory", epilog=EXIT_CODES_HELP)
+@click.argument("graphs", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.option("--dim", metavar="SYMBOL=N", multiple=True, help="Bind a symbolic dimension, e.g. N=8.")
+@click.option("--top", default=8, show_default=True, type=click.IntRange(0), help="Saved values to list.")
+@click.option("--plot", metavar="OUT.png", type=click.Path(path_type=str),
+              help="Draw the live memory of every graph along its schedule on one chart (needs matplotlib: "
+                   "pip install 'onnxgrad[plot]').")
+@click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),
+              help="Also write the figures as JSON.")
+def memory_cmd(graphs, dim, top, plot, report):
+    """Simulate the memory of one run of each graph (a training or step graph, or any model) in the order its
+    nodes are listed, as onnxruntime runs it with the settings build-grad records: the peak, where it happens,
+    what is alive then (parameters, inputs, gradients, saved activations, temporaries) and the largest forward
+    values the backward pass keeps. Graph inputs and weights count for the whole run; a value is freed after
+    its last reader."""
+    from .loader import parse_dim_bindings
+    from .memory.simulate import load, plot as draw, simulate
+
+    dims = parse_dim_bindings(list(dim))
+    outputs = [check_output_path(p, list(graphs)) for p in (plot, report) if p]
+    timelines, body = {}, {}
+    for path in graphs:
+        graph = load(path, dims)
+        t = simulate(graph, dims)
+        timelines[os.path.basename(path)] = t
+        node = graph.nodes[t.peak_index] if graph.nodes else None
+        body[path] = {**t.summary(), "peak_phase": node.phase if node else None, "top_saved": t.saved[:top]}
+        click.echo(f"{path}: peak {_mib(t.peak)} at node {t.peak_index} {t.peak_node!r}"
+                   f"{f' ({node.phase})' if node else ''}; static {_mib(t.static)} (inputs and weights), "
+                   f"one run adds {_mib(t.dynamic_peak)}")
+        click.echo("  at the peak: " + ", ".join(f"{k} {_mib(v)}" for k, v in t.at_peak.items()))
+        saved = sum(b for _, b in t.saved)
+        click.echo(f"  saved for the backward: {len(t.saved)} values, {_mib(saved)}"
+                   + ("; largest: " + ", ".join(f"{n} {_mib(b)}" for n, b in t.saved[:top]) if top and t.saved
+                      else ""))
+    if plot:
+        draw(timelines, outputs[0])
+        click.echo(str(outputs[0]))
+    if report:
+        save_json(_report("memory", {"graphs": body, "dims": dims}), outputs[-1])
+
+
 @cli.command("run", epilog=EXIT_CODES_HELP)
 @click.argument("train_model", type=click.Path(path_type=str))
 @click.option("--steps", default=1, show_default=True, type=click.IntRange(1), help="Training steps to run.")

@@ -255,3 +255,17 @@ def test_mirror_command_writes_the_plan_and_refuses_unknown_sizes(tmp_path, capf
     assert main(["mirror", str(symbolic), "-o", str(tmp_path / "s.onnx"), "--loss-fn", "mse"]) == 2
     assert "bind N with --dim" in capfd.readouterr().err
     assert main(["build-grad", str(model), "-o", str(out), "--save", "x"]) == 2
+
+
+def test_memory_command_prints_the_peak_and_draws_the_timelines(tmp_path, capsys):
+    plain, mirrored = tmp_path / "plain.onnx", tmp_path / "mirrored.onnx"
+    onnx.save(onnxgrad.build(mlp_tail(width=64, batch=256), loss_fn="mse").model, plain)
+    onnx.save(onnxgrad.build(mlp_tail(width=64, batch=256), loss_fn="mse", mirror="mxnet").model, mirrored)
+    png, report = tmp_path / "m.png", tmp_path / "m.json"
+    assert main(["memory", str(plain), str(mirrored), "--plot", str(png), "--report", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert f"{plain}: peak " in out and "saved for the backward: 12 values" in out
+    assert "saved for the backward: 4 values" in out  # the Gemm outputs and the loss's difference
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figures = json.loads(report.read_text())["graphs"]
+    assert figures[str(mirrored)]["peak_bytes"] < figures[str(plain)]["peak_bytes"]

@@ -156,3 +156,37 @@ def saved_values(graph: Graph, nbytes: dict[int, int]) -> list[tuple[str, int]]:
     out = [(v.name, nbytes[id(v)]) for n in graph.nodes if n.phase == FORWARD for v in n.outputs
            if v.name and BACKWARD in readers.get(id(v), ())]
     return sorted(out, key=lambda kv: -kv[1])
+
+
+def load(model, dims: dict[str, int] | None = None) -> Graph:
+    """A model from a path (or a ModelProto) as a typed Graph with its symbolic dims bound: the read and infer
+    stages of the build, then onnx's shape inference for anything still untyped."""
+    from ..passes.frontend import Infer, Read
+    from ..pipeline import Build, Options, run
+    from ..shapes import type_everything
+    build = run(Build(model, Options(dims=dict(dims or {}))), [Read(), Infer()])
+    type_everything(build.graph)
+    return build.graph
+
+
+def plot(timelines: dict[str, Timeline], path) -> None:
+    """Live bytes against the step of the schedule, one line per graph, into a PNG."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'onnxgrad[plot]'") from None
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
+    for label, t in timelines.items():
+        ax.plot([(t.static + b) / 2**20 for b in t.during], label=f"{label} (peak {t.peak / 2**20:.1f} MiB)",
+                linewidth=1.2)
+        ax.scatter([t.peak_index], [t.peak / 2**20], s=14)
+    ax.set_xlabel("node of the schedule")
+    ax.set_ylabel("live memory, MiB")
+    ax.set_title("simulated memory of one run")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
