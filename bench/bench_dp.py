@@ -12,6 +12,9 @@ takes 3 warm-up steps, then `--steps` timed steps; the sides take turns `--round
 median over rounds of the per-run median step. Global samples/s = B / step time. The all-reduce share is the
 part of rank 0's step spent waiting for the all-reduce (and ZeRO-1's broadcasts, not used here).
 Scaling = samples/s of 2 ranks / samples/s of 1 rank; 2.0 is perfect on 2 cores, when nothing else runs.
+On a machine shared with other work the wall-clock figures follow the load; "by CPU time" = rank 0's process
+CPU time per step (all its threads, gloo's included) at 1 rank over that at 2 ranks, which is what 2 ranks
+would reach with a core each: an upper bound, as time blocked in the all-reduce costs no CPU.
 
 `--estimate` prints the step-time model for GPT-2 small (124M parameters, gradients in float32) on GPUs: compute 6 * params * tokens / achieved FLOP/s, ring all-reduce
 2 (W-1)/W * bytes / bus bandwidth, no overlap of the two (the runner all-reduces after the backward pass).
@@ -64,14 +67,15 @@ def worker(folder: Path, name: str, batch: int, steps: int, kind: str) -> None:
     else:
         from onnxgrad.distributed import DataParallelTrainer
         trainer = DataParallelTrainer(folder / f"{name}.onnx", provider="cpu", threads=1)
-    seconds = []
+    seconds, cpu = [], []
     for i in range(WARMUP + steps):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         trainer.step(batches[i])
         seconds.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
     comm = getattr(trainer, "comm_seconds", [0.0] * len(seconds))
     if kind == "fused" or trainer.rank == 0:
-        out = {"step_seconds": seconds[WARMUP:], "comm_seconds": comm[WARMUP:]}
+        out = {"step_seconds": seconds[WARMUP:], "comm_seconds": comm[WARMUP:], "cpu_seconds": cpu[WARMUP:]}
         (folder / f"{name}.{kind}.json").write_text(json.dumps(out))
     if kind != "fused":
         trainer.close()
@@ -94,7 +98,7 @@ def run(folder: Path, name: str, batch: int, steps: int, kind: str) -> dict:
             sys.exit(f"bench_dp: a {kind} process of {name} failed")
     out = json.loads((folder / f"{name}.{'fused' if kind == 'fused' else tag}.json").read_text())
     step = float(np.median(out["step_seconds"]))
-    return {"step_s": step, "samples_per_s": batch / step,
+    return {"step_s": step, "samples_per_s": batch / step, "cpu_s": float(np.median(out["cpu_seconds"])),
             "allreduce_share": float(np.sum(out["comm_seconds"]) / np.sum(out["step_seconds"]))}
 
 
@@ -155,12 +159,16 @@ def main(argv=None) -> None:
                    for kind, rs in rounds.items()}
             row["scaling"] = row["2 ranks"]["samples_per_s"] / row["1 rank"]["samples_per_s"]
             row["scaling_vs_fused"] = row["2 ranks"]["samples_per_s"] / row["fused"]["samples_per_s"]
+            # What 2 ranks would reach with a core each: the work of a step (process CPU time, all threads)
+            row["cpu_scaling"] = row["1 rank"]["cpu_s"] / row["2 ranks"]["cpu_s"]
             row["batch"] = batch
             results[name] = row
-            print(f"{name} (global batch {batch}, 2 ranks: {batch // 2} each): " + ", ".join(f"{kind} {row[kind]['step_s'] * 1e3:.1f} ms/step "
-                                          f"{row[kind]['samples_per_s']:.0f} samples/s" for kind in rounds)
+            print(f"{name} (global batch {batch}, 2 ranks: {batch // 2} each): "
+                  + ", ".join(f"{kind} {row[kind]['step_s'] * 1e3:.1f} ms/step ({row[kind]['cpu_s'] * 1e3:.1f} ms "
+                              f"CPU) {row[kind]['samples_per_s']:.0f} samples/s" for kind in rounds)
                   + f"; all-reduce share (2 ranks) {row['2 ranks']['allreduce_share']:.1%}; scaling "
-                    f"{row['scaling']:.2f}x over 1 rank, {row['scaling_vs_fused']:.2f}x over fused")
+                    f"{row['scaling']:.2f}x over 1 rank, {row['scaling_vs_fused']:.2f}x over fused; "
+                    f"by CPU time {row['cpu_scaling']:.2f}x")
     print(f"load after: {os.getloadavg()[0]:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -108,7 +108,8 @@ def split_step_graph(model: onnx.ModelProto) -> SplitStep:
     grads.sort(key=lambda name: order[name])
 
     loss = meta.get(LOSS_KEY, "")
-    forward = forward_outputs(model, state)
+    forward = forward_outputs(model, state)   # without a loss that build-grad appended: put it first
+    forward = ([loss] if loss not in forward else []) + forward
     gradient = _subgraph(model, [n for n, opt in zip(nodes, mask) if not opt], forward + grads,
                          keep_metadata=(LOSS_KEY, *RUNTIME_HINTS), name="gradient")
     update = _subgraph(model, update_nodes, list(state.values()), extra_inputs=grads,

@@ -31,9 +31,29 @@ CONFIGS = {
     "momentum-accumulate-clip-zero1": ("momentum", {"lr": 0.05, "accumulate": 2, "clip_grad_norm": 0.5}, True),
     "adamw-accumulate-clip": ("adamw", {"lr": 0.01, "accumulate": 2, "clip_grad_norm": 0.5}, False),
     "adamw-accumulate-clip-zero1": ("adamw", {"lr": 0.01, "accumulate": 2, "clip_grad_norm": 0.5}, True),
+    "momentum-sum-loss": ("momentum", {"lr": 0.005}, False),   # --loss-fn reduction sum: gradients are summed
 }
 RESUME = "adamw-accumulate-clip"     # the optimizer of the checkpoint tests
 TINY_BUCKET_MB = 0.001               # ~1 KB: the MLP's gradients go to several buckets
+
+
+def step_graph(name: str) -> onnx.ModelProto:
+    import onnxgrad
+
+    kind, options, _ = CONFIGS[name]
+    if not name.endswith("sum-loss"):
+        return onnxgrad.build_gradient(MODELS / "mlp.onnx", optimizer=kind, optimizer_options=options)
+    forward = onnx.load(MODELS / "mlp.onnx")   # logits only; build-grad appends a summed cross-entropy
+    forward.graph.output.pop(0)
+    forward.graph.node.pop()
+    forward.graph.input.pop()
+    return onnxgrad.build_gradient(forward, loss_fn="cross-entropy", loss_options={"reduction": "sum"},
+                                   optimizer=kind, optimizer_options=options)
+
+
+def data_for(name: str) -> dict[str, np.ndarray]:
+    data = learnable_data()
+    return data if not name.endswith("sum-loss") else {"x": data["x"], "target": data["labels"]}
 
 
 def learnable_data(rows: int = ROWS, seed: int = 0) -> dict[str, np.ndarray]:
@@ -87,7 +107,7 @@ def worker(folder: Path) -> None:
     for name, (_, _, zero1) in CONFIGS.items():
         trainer = DataParallelTrainer(folder / f"{name}.onnx", provider="cpu", threads=1, zero1=zero1,
                                       bucket_mb=TINY_BUCKET_MB, timeout=60)
-        result = trainer.fit(data, steps=STEPS, batch=BATCH, seed=0)
+        result = trainer.fit(data_for(name), steps=STEPS, batch=BATCH, seed=0)
         state = trainer.state_dict()
         if trainer.rank == 0:
             np.savez(folder / f"{name}.out.npz", losses=np.array(result.losses),
@@ -130,18 +150,17 @@ def cli_worker(stop: str, at_step: int, args: list[str]) -> int:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """Step graphs, data, the one-process reference runs and one 2-process run of every configuration."""
-    import onnxgrad
     from onnxgrad.runner import StepGraphTrainer
 
     folder = tmp_path_factory.mktemp("dp")
     data = learnable_data()
     np.savez(folder / "data.npz", **data)
     reference = {}
-    for name, (kind, options, _) in CONFIGS.items():
-        step = onnxgrad.build_gradient(MODELS / "mlp.onnx", optimizer=kind, optimizer_options=options)
+    for name in CONFIGS:
+        step = step_graph(name)
         onnx.save(step, folder / f"{name}.onnx")
         one = StepGraphTrainer(step, provider="cpu", threads=1)
-        result = one.fit(data, steps=STEPS, batch=BATCH, seed=0)
+        result = one.fit(data_for(name), steps=STEPS, batch=BATCH, seed=0)
         reference[name] = (result.losses, one.state_dict())
     one = StepGraphTrainer(folder / f"{RESUME}.onnx", provider="cpu", threads=1)
     one.fit(data, steps=STEPS // 2, batch=BATCH, seed=0, checkpoint=folder / "one10.npz")
@@ -165,6 +184,8 @@ def test_two_processes_equal_one_process(job, name):
     if "clip" in name:  # the clipping was active: the run differs from one without it
         _, unclipped = reference[name.replace("-accumulate-clip", "")]
         assert rel_error(state["fc1.weight"], unclipped["fc1.weight"]) > 1e-3
+    if "sum-loss" in name:  # a summed loss: the loss of the global batch is the sum of the two halves'
+        assert losses[0] > BATCH
 
 
 def test_checkpoints_resume_on_another_world_size(job):
@@ -224,22 +245,21 @@ def test_cli_under_torchrun(job, tmp_path):
 
 def test_split_graphs_run_as_the_step_graph():
     """Gradient graph then update graph = the step graph, bitwise; phases metadata and structure agree."""
-    import onnxgrad
     from onnxgrad import runtime
     from onnxgrad.contract import PHASES_KEY
     from onnxgrad.split import optimizer_node_mask, split_step_graph
 
-    data = {k: v[:8] for k, v in learnable_data().items()}
-    for kind, options, _ in CONFIGS.values():
-        step = onnxgrad.build_gradient(MODELS / "mlp.onnx", optimizer=kind, optimizer_options=options)
+    for name in CONFIGS:
+        data = {k: v[:8] for k, v in data_for(name).items()}
+        step = step_graph(name)
         split = split_step_graph(step)
         assert split.grads[0].startswith("fc2.") and split.phase_source == "metadata"
         run = {}
-        for name, model in (("step", step), ("gradient", split.gradient), ("update", split.update)):
+        for part, model in (("step", step), ("gradient", split.gradient), ("update", split.update)):
             onnx.checker.check_model(model, full_check=True)
             sess = runtime.session(model)
-            feeds = data if name != "update" else {g: run["gradient"][g] for g in split.grads}
-            run[name] = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+            feeds = data if part != "update" else {g: run["gradient"][g] for g in split.grads}
+            run[part] = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
         assert run["gradient"]["loss"] == run["step"]["loss"]
         assert all(np.array_equal(v, run["step"][k]) for k, v in run["update"].items())
 
