@@ -115,6 +115,12 @@ CASES = [
     pool("MaxPool", "1d", (2, 2, 7), distinct, kernel_shape=[3], strides=[2], pads=[1, 0]),
     pool("MaxPool", "1d-opset13", (2, 2, 7), distinct, opset=13, kernel_shape=[3], strides=[1]),
     pool("MaxPool", "3d", (1, 2, 4, 5, 4), distinct, kernel_shape=[2, 3, 2], strides=[2, 2, 1]),
+    # windows that tile x (kernel = strides, no padding)
+    pool("MaxPool", "2d-k2s2-even", (2, 3, 4, 6), distinct, kernel_shape=[2, 2], strides=[2, 2]),
+    pool("MaxPool", "2d-k3s3-crop", (1, 2, 7, 6), distinct, kernel_shape=[3, 3], strides=[3, 3]),
+    pool("MaxPool", "2d-k2s2-valid", (1, 2, 5, 4), distinct, kernel_shape=[2, 2], strides=[2, 2], auto_pad="VALID"),
+    pool("MaxPool", "1d-k2s2", (2, 2, 7), distinct, kernel_shape=[2], strides=[2]),
+    pool("MaxPool", "3d-k2s2", (1, 2, 4, 4, 3), distinct, kernel_shape=[2, 2, 1], strides=[2, 2, 1]),
 
     # AveragePool
     pool("AveragePool", "1d", (2, 2, 7), kernel_shape=[3], strides=[2]),
