@@ -139,12 +139,12 @@ def batch_normalization(ctx):
     gx = gs = gb = None
     if ctx.needs(0):
         gx = op.Mul(gy, _channel_view(ctx, op.Mul(_cast(ctx, scale, scale_type, x_type), r), rank))
+    total = op.ReduceSum(gy, axes, keepdims=0) if ctx.needs(1) or ctx.needs(2) else None  # one pass for both
     if ctx.needs(1):
-        total = op.ReduceSum(gy, axes, keepdims=0)
         weighted = op.ReduceSum(op.Mul(gy, x), axes, keepdims=0)
         gs = _cast(ctx, op.Mul(op.Sub(weighted, op.Mul(total, mean)), r), x_type, scale_type)
     if ctx.needs(2):
-        gb = _cast(ctx, op.ReduceSum(gy, axes, keepdims=0), x_type, ctx.elem_type(bias))
+        gb = _cast(ctx, total, x_type, ctx.elem_type(bias))
     return [gx, gs, gb, None, None]
 
 
