@@ -88,6 +88,12 @@ class _Heads:
         self.q_sub = f"b{grouped}qd" if rank == 4 else f"bq{grouped}d"
         self.k_sub = "bhkd" if rank == 4 or self.cached else "bkhd"
         self.s_sub = f"b{grouped}qk"
+        # Scores are worked on as the Einsums give them ([B, h, g, Sq, Skv] when grouped), unless a mask with a
+        # head axis or a qk_matmul_output gradient needs the op's [B, Hq, Sq, Skv].
+        mask = ctx.I(3)
+        self.flat = self.group == 1 or (mask is not None and ctx.rank(mask) >= 3) or \
+            (len(ctx.node.outputs) > 3 and bool(ctx.node.outputs[3].name))
+        self.s_rank = 4 if self.flat else 5
 
     def _head_size(self, v, heads: int):
         last = v.shape[-1] if v.shape is not None else None
@@ -132,14 +138,15 @@ class _Heads:
         return _reshape(ctx, g, [0, 0, -1])
 
     def scores_4d(self, s, q):
-        """[B, h, g, Sq, Skv] scores as [B, Hq, Sq, Skv], the layout masks broadcast against."""
-        if self.group == 1:
+        """[B, h, g, Sq, Skv] scores (from an Einsum) in the layout the scores are worked on."""
+        if not self.flat or self.group == 1:
             return s
         sq = _dim(self.ctx, q, 2 if self.rank == 4 else 1)
         return _reshape(self.ctx, s, [0, self.hq, sq, -1])
 
     def scores_grouped(self, s, q):
-        if self.group == 1:
+        """Scores in the layout they are worked on as [B, h, g, Sq, Skv], for an Einsum."""
+        if not self.flat or self.group == 1:
             return s
         sq = _dim(self.ctx, q, 2 if self.rank == 4 else 1)
         return _reshape(self.ctx, s, [0, self.hkv, self.group, sq, -1])
@@ -151,7 +158,7 @@ class _Heads:
 def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
     """The keys each query may attend as a boolean tensor broadcastable to [B, Hq, Sq, Skv] (None: all), the
     float mask added to the scores (None: none), padded to Skv, and `alive`, [.., Sq, 1], false on rows where
-    no key is allowed (their probabilities are 0, as the op defines)."""
+    no key is allowed (their probabilities are 0, as the op defines; None where no row can be)."""
     op = ctx.op
     mask, nonpad = ctx.I(3), ctx.I(6) if ctx.num_inputs > 6 else None
     sq = _dim(ctx, q, 2 if heads.rank == 4 else 1)
@@ -180,7 +187,7 @@ def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
     if nonpad is not None:
         # keys past each sample's valid length are padding; the causal frontier is aligned to that length
         keys = op.Range(_scalar(ctx, 0), _scalar(ctx, skv), _scalar(ctx, 1))
-        lengths = op.Reshape(nonpad, op.ints([-1, 1, 1, 1]))
+        lengths = op.Reshape(nonpad, op.ints([-1] + [1] * (heads.s_rank - 1)))
         allowed.append(op.Less(keys, lengths))
         offset = op.Sub(lengths, op.Reshape(_scalar(ctx, sq), op.ints([1])))
     else:
@@ -201,6 +208,8 @@ def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
     both = allowed[0]
     for a in allowed[1:]:
         both = op.And(both, a)
+    if mask is None and nonpad is None and left < 0 and right < 0:
+        return both, None, None   # causal alone: key 0 is before every query (the offset is never negative)
     # int32, not float: the row test reads forward values only and must not be a float as large as the scores
     alive = op.Greater(op.ReduceMax(op.Cast(both, to=TensorProto.INT32), op.ints([-1]), keepdims=1),
                        op.const(np.int32(0), TensorProto.INT32))
@@ -277,11 +286,11 @@ def attention(ctx):
     if g_qk is not None and mode == 3:
         g_probs = op.Add(g_probs, g_qk)
         row = op.ReduceSum(op.Mul(probs, g_probs), op.ints([-1]), keepdims=1)
-    elif heads.rank == 4:
-        row = op.ReduceSum(op.Mul(gy, y), op.ints([-1]), keepdims=1)
-    else:  # [B, Sq, Hq*Dv] -> [B, Hq, Sq, 1]
-        per_head = op.ReduceSum(_reshape(ctx, op.Mul(gy, y), [0, 0, heads.hq, -1]), op.ints([-1]), keepdims=0)
-        row = op.Unsqueeze(op.Transpose(per_head, perm=[0, 2, 1]), op.ints([-1]))
+    else:
+        row = op.ReduceSum(heads.q_view(op.Mul(gy, y), q), op.ints([-1]), keepdims=1)   # in the q_sub layout
+        if heads.rank == 3:   # [B, Sq, h, (g,) 1] -> [B, h, (g,) Sq, 1]
+            row = op.Transpose(row, perm=[0, 2, 3, 1, 4] if heads.group > 1 else [0, 2, 1, 3])
+        row = heads.scores_4d(row, q)
     g_logits = op.Mul(probs, op.Sub(g_probs, row))
     if g_qk is not None and mode == 2:
         g_logits = op.Add(g_logits, g_qk)
@@ -292,7 +301,7 @@ def attention(ctx):
         skv = _dim(ctx, k_total, 2 if heads.rank == 4 or heads.cached else 1)
         if not (isinstance(m_len, int) and isinstance(skv, int) and m_len == skv):
             g_mask = op.Slice(g_mask, op.ints([0]), op.Shape(mask, start=-1), op.ints([-1]))
-        g_mask = _cast(ctx, unbroadcast(ctx, g_mask, mask, _sized(g_mask, 4)), t, ctx.elem_type(mask))
+        g_mask = _cast(ctx, unbroadcast(ctx, g_mask, mask, _sized(g_mask, heads.s_rank)), t, ctx.elem_type(mask))
     g_scores = g_logits
     if g_qk is not None and mode == 1:
         g_scores = op.Add(g_scores, g_qk)

@@ -48,6 +48,14 @@ CASES = [
          outputs=4, output_names=["out0", "", "", "qk"], id="Attention-qk-softcapped", opset=23),
     Case("Attention", [(1, 2, 2, 2), (1, 2, 3, 2), (1, 2, 3, 2)], outputs=4, output_names=["out0", "", "", "qk"],
          id="Attention-qk-raw", opset=23),
+    # grouped-query heads work on [B, h, g, Sq, Skv] scores, unless a mask has a head axis or qk is an output
+    Case("Attention", [(1, 4, 2, 2), (1, 2, 3, 2), (1, 2, 3, 2), (2, 3)], id="Attention-gqa-mask-2d", opset=23),
+    Case("Attention", [(1, 4, 2, 2), (1, 2, 3, 2), (1, 2, 3, 2), (1, 4, 2, 3)], id="Attention-gqa-mask-heads",
+         opset=23),
+    Case("Attention", [(1, 4, 2, 2), (1, 2, 3, 2), (1, 2, 3, 2)], {"qk_matmul_output_mode": 3, "is_causal": 1},
+         outputs=4, output_names=["out0", "", "", "qk"], id="Attention-gqa-qk-probs", opset=23),
+    Case("Attention", [(2, 4, 2, 2), (2, 2, 3, 2), (2, 2, 3, 2), None, None, None, np.array([3, 1])],
+         id="Attention-gqa-nonpad", opset=24),
     # Attention, 3-D [B, S, H*D] with head-count attributes
     Case("Attention", [(1, 3, 4), (1, 3, 4), (1, 3, 4)], {"q_num_heads": 2, "kv_num_heads": 2}, id="Attention-3d",
          opset=23),
@@ -56,6 +64,8 @@ CASES = [
     Case("Attention", [(1, 2, 4), (1, 2, 4), (1, 2, 4), None, (1, 2, 1, 2), (1, 2, 1, 2)],
          {"q_num_heads": 2, "kv_num_heads": 2, "is_causal": 1}, outputs=3,
          output_names=["out0", "present_key", "present_value"], id="Attention-3d-past", opset=23),
+    Case("Attention", [(1, 2, 8), (1, 3, 4), (1, 3, 4), CAUSAL_2x3], {"q_num_heads": 4, "kv_num_heads": 2},
+         id="Attention-3d-gqa-bool-mask", opset=23),
     # opset 24: keys past each sample's nonpad_kv_seqlen are padding
     Case("Attention", [(2, 2, 2, 2), (2, 2, 3, 2), (2, 2, 3, 2), None, None, None, np.array([2, 3])],
          id="Attention-nonpad", opset=24),
