@@ -109,21 +109,23 @@ def simulate(graph: Graph, dims: dict[str, int] | None = None, nbytes: dict[int,
         live -= sum(nbytes[i] for i in frees.get(k, ()))
         live_after.append(live)
     peak_index = max(range(len(during)), key=during.__getitem__) if during else 0
-    at_peak = _alive_at(graph, peak_index, nbytes, last_read, kept) if during else {}
-    saved = saved_values(graph, nbytes)
+    readers = _reader_phases(graph)
+    at_peak = _alive_at(graph, peak_index, nbytes, last_read, kept, readers) if during else {}
+    saved = saved_values(graph, nbytes, readers)
     return Timeline(live_after, during, static, static + (during[peak_index] if during else 0), peak_index,
                     graph.nodes[peak_index].name if graph.nodes else "", at_peak, saved)
 
 
-def _alive_at(graph: Graph, k: int, nbytes: dict[int, int], last_read: dict[int, int], kept: set[int]) -> dict:
+def _alive_at(graph: Graph, k: int, nbytes: dict[int, int], last_read: dict[int, int], kept: set[int],
+              readers_phase: dict[int, set[str]]) -> dict:
     """Bytes per category alive while node k runs."""
-    readers_phase = _reader_phases(graph)
     out = dict.fromkeys(CATEGORIES, 0)
+    inputs = {id(v) for v in graph.inputs}
     for v in graph.inputs:
         out["parameters" if v.name in graph.initializers else "inputs"] += nbytes[id(v)]
     for name in graph.initializers:
         v = graph.values.get(name)
-        if v is not None and v not in graph.inputs:
+        if v is not None and id(v) not in inputs:
             out["parameters"] += nbytes[id(v)]
     for j, n in enumerate(graph.nodes[:k + 1]):
         for v in n.outputs:
@@ -150,9 +152,10 @@ def _reader_phases(graph: Graph) -> dict[int, set[str]]:
     return phases
 
 
-def saved_values(graph: Graph, nbytes: dict[int, int]) -> list[tuple[str, int]]:
+def saved_values(graph: Graph, nbytes: dict[int, int],
+                 readers: dict[int, set[str]] | None = None) -> list[tuple[str, int]]:
     """The forward values the backward reads (kept from the forward pass to the backward), largest first."""
-    readers = _reader_phases(graph)
+    readers = readers if readers is not None else _reader_phases(graph)
     out = [(v.name, nbytes[id(v)]) for n in graph.nodes if n.phase == FORWARD for v in n.outputs
            if v.name and BACKWARD in readers.get(id(v), ())]
     return sorted(out, key=lambda kv: -kv[1])
