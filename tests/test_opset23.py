@@ -146,16 +146,17 @@ def test_attention_probabilities_are_recomputed_in_the_backward(decoder):
     assert softmaxes == 2   # one per attention layer, none kept from the forward pass
 
 
-# -- Attention forms onnxruntime runs differently from the spec: the float64 check in the reference evaluator --
+# -- forms onnxruntime runs differently from the spec or not at all: checked in the reference evaluator ------
 @pytest.mark.parametrize("case", REFERENCE_CASES, ids=str)
-def test_attention_forms_against_the_reference_evaluator(case):
+def test_forms_against_the_reference_evaluator(case):
     rng = np.random.default_rng(0)
-    fwd, wrt = _model(case, np.float64)
+    fwd, wrt = _model(case, case.dtype)
     heads = float_outputs(fwd)
     train = _build(fwd, heads, wrt)
     f, b = ReferenceEvaluator(fwd), ReferenceEvaluator(train)
     out_names = [o.name for o in train.graph.output]
-    x = {f"in{i}": case.sampler(rng, s) for i, s in enumerate(case.inputs) if isinstance(s, tuple)}
+    x = {f"in{i}": case.sampler(rng, s).astype(case.dtype) for i, s in enumerate(case.inputs) if isinstance(s, tuple)}
+    eps = 1e-6 if case.dtype == np.float64 else 1e-2
 
     def forward(feeds):
         return [np.asarray(y) for y in f.run(heads, feeds)]
@@ -163,17 +164,18 @@ def test_attention_forms_against_the_reference_evaluator(case):
     assert all(np.isfinite(y).all() for y in y0)
 
     def vjp(c):
-        res = dict(zip(out_names, b.run(None, {**x, **{n + "_grad": ci for n, ci in zip(heads, c)}})))
+        seeds = {n + "_grad": np.asarray(ci, dtype=case.dtype) for n, ci in zip(heads, c)}
+        res = dict(zip(out_names, b.run(None, {**x, **seeds})))
         return {n: res[n + "_grad"] for n in wrt}
 
     def jvp(t):
-        return gradcheck.central_difference(forward, x, t, 1e-6)
+        return gradcheck.central_difference(forward, x, t, eps)
     for _ in range(2):
         t, c = gradcheck.directions(rng, {n: x[n].shape for n in wrt}, [y.shape for y in y0])
         lhs, rhs, scale = gradcheck.inner_product(t, vjp(c), jvp(t), c)
         assert abs(lhs - rhs) <= case.tol * max(scale, 1.0) + 1e-9, f"<t, J^T c> = {lhs} but <J t, c> = {rhs}"
     rows, cols = gradcheck.jacobian(vjp, jvp, {n: x[n] for n in wrt}, [y.shape for y in y0])
-    np.testing.assert_allclose(rows, cols, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(rows, cols, rtol=case.tol * 10, atol=case.tol * 10)
 
 
 # -- Pow at a zero base ---------------------------------------------------------------------------------------

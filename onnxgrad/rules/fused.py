@@ -1,5 +1,5 @@
 """Gradient rules: the ops of opsets 23 and newer (Attention, RMSNormalization, RotaryEmbedding; Swish and
-TensorScatter at 24; SwiGLU at 28).
+TensorScatter at 24; CausalConvWithState at 27; SwiGLU at 28).
 
 Attention keeps its fused forward kernel and gets a memory-efficient backward: the probabilities P (one
 [B, H, Sq, Skv] tensor per layer) are not kept from the forward pass but recomputed from Q and K inside the
@@ -522,3 +522,56 @@ def swiglu(ctx):
     if ctx.needs(1):
         gb = op.Mul(op.Mul(gy, a), s)
     return [ga, gb]
+
+
+# -- CausalConvWithState (opset 27) --------------------------------------------------------------------------
+@rule("CausalConvWithState", since=27, wrt=(0, 1, 2),
+      limits="static kernel size and channels; past_state gets no gradient (the schema marks it so)")
+def causal_conv_with_state(ctx):
+    """p = [past, x] along the length, z = depthwise Conv(p, w) + b, y = act(z), present = the last k-1 of p:
+    dz = dy * act'(z), dx = ConvTranspose(dz, w) (+ dpresent) without its first k-1,
+    dw[c, j] = sum dz[., c, t] * p[., c, t + j] (a grouped Conv), db = sum(dz)"""
+    op = ctx.op
+    x, w, b, past = ctx.I(0), ctx.I(1), ctx.I(2), ctx.I(3)
+    k = w.shape[-1] if w.shape else None
+    if not isinstance(k, int):
+        raise ctx.unsupported("the kernel size (the last axis of weight) must be static")
+    channels = _dim(ctx, w, 0)
+    activation = ctx.attr("activation", "none")
+    activation = activation.decode() if isinstance(activation, bytes) else activation
+    gy = ctx.GO_or_zeros(0)
+    if past is None:
+        zero = helper.make_tensor("", ctx.elem_type(x), [1], [0])
+        past = op.ConstantOfShape(_shape(ctx, [_dim(ctx, x, 0), _dim(ctx, x, 1), k - 1]), value=zero)
+    # [past, x] through the gradient (as Attention's Q): Concat with dy and Split again, so the recomputed
+    # pre-activation and the weight gradient's input cannot run during the forward pass
+    length = _dim(ctx, x, 2)
+    padded, gy = op.Split(op.Concat(past, x, gy, axis=2), _shape(ctx, [k - 1 + length if isinstance(length, int)
+                                                                     else op.Add(length, op.ints([k - 1])),
+                                                                     length]), axis=2, outputs=2)
+    gz = gy
+    if activation in ("silu", "swish"):
+        z = op.Conv(padded, w, b, group=channels) if isinstance(channels, int) else None
+        if z is None:
+            raise ctx.unsupported("the number of channels (the first axis of weight) must be static")
+        s = op.Sigmoid(z)
+        t = op.Mul(gy, s)
+        tz = op.Mul(t, z)
+        gz = op.Add(t, op.Sub(tz, op.Mul(tz, s)))
+    elif activation != "none":
+        raise ctx.unsupported(f"activation {activation!r}")
+    g_padded = op.ConvTranspose(gz, w, group=channels)
+    g_present = ctx.GO(1)
+    if g_present is not None:   # present is the last k-1 positions of [past, x]
+        g_padded = op.Add(g_padded, op.Pad(g_present, _shape(ctx, [0, 0, length, 0, 0, 0])))
+    gx = gw = gb = None
+    if ctx.needs(0):
+        _, gx = op.Split(g_padded, _shape(ctx, [k - 1, length]), axis=2, outputs=2)
+    if ctx.needs(1):
+        # batch folded into channels: out[0, c, j] = sum_b sum_t p[b, c, t + j] * dz[b, c, t]
+        p_cb = _reshape(ctx, op.Transpose(padded, perm=[1, 0, 2]), [1, -1, 0])
+        dz_cb = op.Transpose(gz, perm=[1, 0, 2])
+        gw = _reshape(ctx, op.Conv(p_cb, dz_cb, group=channels), [channels, 1, k])
+    if ctx.needs(2):
+        gb = op.ReduceSum(gz, op.ints([0, 2]), keepdims=0)
+    return [gx, gw, gb, None][:ctx.num_inputs]

@@ -1,4 +1,5 @@
-"""Fused ops of opsets 23+: Attention, RMSNormalization, RotaryEmbedding, Swish.
+"""Ops of opsets 23+: Attention, RMSNormalization, RotaryEmbedding, Swish, TensorScatter, CausalConvWithState,
+SwiGLU.
 
 Attention's cases cover the forms torch.onnx and the spec write: 4-D and 3-D operands, grouped-query heads,
 causal and sliding-window masks, boolean and float masks (a float mask is a bias, differentiated; a short one is
@@ -128,4 +129,14 @@ CASES += [
 REFERENCE_CASES += [
     Case("SwiGLU", [(2, 3), (2, 3)], id="SwiGLU", opset=28),
     Case("SwiGLU", [(2, 3), (2, 3)], {"alpha": 1.7}, id="SwiGLU-alpha", opset=28),
+]
+REFERENCE_CASES += [
+    # CausalConvWithState (opset 27, float32 only): a Mamba / Gated DeltaNet causal depthwise conv with a carried
+    # state (which the schema makes non-differentiable)
+    Case("CausalConvWithState", [(2, 3, 4), (3, 1, 3), (3,), np.linspace(-1, 1, 12).reshape(2, 3, 2)], outputs=2,
+         output_names=["out0", "present"], id="CausalConv-past-present", opset=27, dtype=np.float32, tol=2e-3),
+    Case("CausalConvWithState", [(1, 2, 5), (2, 1, 4)], outputs=2, output_names=["out0", "present"],
+         id="CausalConv-no-state", opset=27, dtype=np.float32, tol=2e-3),
+    Case("CausalConvWithState", [(2, 2, 3), (2, 1, 2), (2,)], {"activation": "silu"}, outputs=2,
+         output_names=["out0", "present"], id="CausalConv-silu", opset=27, dtype=np.float32, tol=2e-3),
 ]
