@@ -1,0 +1,118 @@
+"""The cost model on hand-built nodes: FLOPs counted by hand, bytes moved, and errors that name the node."""
+import pytest
+from onnx import TensorProto, helper
+
+from onnxgrad.errors import UsageError
+from onnxgrad.ir import Node, Value
+from onnxgrad.memory.cost import DEFAULT_BALANCE, CostModel, op_cost
+
+F32 = TensorProto.FLOAT
+
+
+def node(op, inputs, outputs, **attrs):
+    """A node whose inputs and outputs are float32 values of the given shapes (None: an absent input)."""
+    ins = [None if s is None else Value(f"x{i}", F32, s) for i, s in enumerate(inputs)]
+    outs = [Value(f"y{i}", F32, s) for i, s in enumerate(outputs)]
+    return Node(op, ins, outs, f"{op.lower()}_0", [helper.make_attribute(k, v) for k, v in attrs.items()])
+
+
+def elements(*shapes):
+    total = 0
+    for s in shapes:
+        count = 1
+        for d in s:
+            count *= d
+        total += count
+    return total
+
+
+CASES = [
+    # op, inputs, outputs, attributes, FLOPs by hand
+    ("MatMul", [(2, 3, 4), (4, 5)], [(2, 3, 5)], {}, 2 * 2 * 3 * 5 * 4),
+    ("MatMul", [(4,), (4, 5)], [(5,)], {}, 2 * 5 * 4),
+    ("Gemm", [(3, 4), (4, 5), (5,)], [(3, 5)], {}, 2 * 3 * 5 * 4 + 2 * 15),
+    ("Gemm", [(4, 3), (5, 4)], [(3, 5)], {"transA": 1, "transB": 1}, 2 * 3 * 5 * 4 + 15),
+    # Conv: N=2, M=8, C=4, 3x3 kernel, 5x5 output, with bias
+    ("Conv", [(2, 4, 7, 7), (8, 4, 3, 3), (8,)], [(2, 8, 5, 5)], {}, 2 * (2 * 8 * 25) * (4 * 9) + 2 * 8 * 25),
+    # grouped Conv: group 2, so 2 input channels per output channel
+    ("Conv", [(1, 4, 5, 5), (6, 2, 3, 3)], [(1, 6, 3, 3)], {"group": 2}, 2 * (6 * 9) * (2 * 9)),
+    # ConvTranspose: each of the 1*4*3*3 input elements scatters into 2 * 2*2 outputs
+    ("ConvTranspose", [(1, 4, 3, 3), (4, 2, 2, 2)], [(1, 2, 6, 6)], {"strides": [2, 2]}, 2 * (4 * 9) * (2 * 4)),
+    ("Einsum", [(2, 3, 4), (2, 4, 5)], [(2, 3, 5)], {"equation": "bij,bjk->bik"}, 2 * 2 * 3 * 4 * 5),
+    ("Einsum", [(6, 2, 3), (6, 3, 4)], [(6, 2, 4)], {"equation": "...ij,...jk->...ik"}, 2 * 6 * 2 * 3 * 4),
+    ("Einsum", [(3, 4)], [(3,)], {"equation": "ij->i"}, 12),
+    # Attention, 4-D: batch 2, 4 heads, 8 queries, 16 keys, head size 32 (values 16)
+    ("Attention", [(2, 4, 8, 32), (2, 4, 16, 32), (2, 4, 16, 16)], [(2, 4, 8, 16)], {},
+     2 * (2 * 4 * 8 * 16) * (32 + 16) + 5 * (2 * 4 * 8 * 16)),
+    # Attention, 3-D: 4 query heads over 2 key/value heads, head size 8
+    ("Attention", [(2, 8, 32), (2, 16, 16), (2, 16, 16)], [(2, 8, 32)], {"q_num_heads": 4, "kv_num_heads": 2},
+     2 * (2 * 4 * 8 * 16) * (8 + 8) + 5 * (2 * 4 * 8 * 16)),
+    ("Relu", [(4, 5)], [(4, 5)], {}, 0),
+    ("Add", [(4, 5), (5,)], [(4, 5)], {}, 0),
+]
+
+
+@pytest.mark.parametrize("op,inputs,outputs,attrs,flops", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_flops_and_bytes(op, inputs, outputs, attrs, flops):
+    n = node(op, inputs, outputs, **attrs)
+    model = CostModel()
+    assert model.flops(n) == flops
+    moved = 4 * elements(*[s for s in inputs if s is not None], *outputs)
+    assert model.bytes_moved(n) == moved
+    assert op_cost(n) == pytest.approx(flops + DEFAULT_BALANCE * moved)
+
+
+def test_elementwise_ops_cost_their_bytes():
+    small = node("Relu", [(10,)], [(10,)])
+    large = node("Relu", [(1000,)], [(1000,)])
+    assert op_cost(small) == DEFAULT_BALANCE * 80
+    assert op_cost(large) == 100 * op_cost(small)
+
+
+def test_balance_prices_memory_traffic():
+    matmul = node("MatMul", [(64, 64), (64, 64)], [(64, 64)])
+    relu = node("Relu", [(64, 64)], [(64, 64)])
+    for balance in (1.0, 100.0):
+        model = CostModel(balance=balance)
+        assert model.cost(relu) == balance * 2 * 64 * 64 * 4
+        assert model.cost(matmul) == 2 * 64 ** 3 + balance * 3 * 64 * 64 * 4
+
+
+def test_absent_inputs_are_not_counted():
+    n = node("Conv", [(1, 1, 3, 3), (1, 1, 1, 1), None], [(1, 1, 3, 3)])
+    assert CostModel().bytes_moved(n) == 4 * (9 + 1 + 9)
+
+
+def test_element_type_sets_the_bytes():
+    x = Value("x", TensorProto.FLOAT16, (8, 8))
+    y = Value("y", TensorProto.FLOAT16, (8, 8))
+    assert CostModel().bytes_moved(Node("Relu", [x], [y], "relu_half")) == 2 * 64 * 2
+
+
+def test_symbolic_dims_need_sizes():
+    n = node("MatMul", [("batch", 4), (4, 5)], [("batch", 5)])
+    with pytest.raises(UsageError, match=r"matmul_0.*symbolic dimension 'batch'"):
+        op_cost(n)
+    assert CostModel(symbols={"batch": 3}).flops(n) == 2 * 3 * 5 * 4
+
+
+@pytest.mark.parametrize("shape", [None, (None, 4)], ids=["no-shape", "unknown-dim"])
+def test_unknown_shapes_name_the_node(shape):
+    n = node("Relu", [(4, 4)], [(4, 4)])
+    n.inputs[0].shape = shape
+    with pytest.raises(UsageError, match=r"'relu_0' \(Relu\).*'x0'"):
+        op_cost(n)
+
+
+def test_unknown_element_type_names_the_node():
+    n = node("Relu", [(4, 4)], [(4, 4)])
+    n.outputs[0].elem_type = None
+    with pytest.raises(UsageError, match=r"relu_0.*element type of 'y0'"):
+        op_cost(n)
+
+
+def test_other_domains_cost_bytes_only():
+    n = node("MatMul", [(4, 4), (4, 4)], [(4, 4)])
+    n.domain = "com.example"
+    assert CostModel().flops(n) == 0
