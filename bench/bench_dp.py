@@ -16,8 +16,9 @@ On a machine shared with other work the wall-clock figures follow the load; "by 
 CPU time per step (all its threads, gloo's included) at 1 rank over that at 2 ranks, which is what 2 ranks
 would reach with a core each: an upper bound, as time blocked in the all-reduce costs no CPU.
 
-`--estimate` prints the step-time model for GPT-2 small (124M parameters, gradients in float32) on GPUs: compute 6 * params * tokens / achieved FLOP/s, ring all-reduce
-2 (W-1)/W * bytes / bus bandwidth, no overlap of the two (the runner all-reduces after the backward pass).
+`--estimate` prints the step-time model for GPT-2 small (124M parameters, gradients in float32) on GPUs:
+compute 6 * params * tokens / achieved FLOP/s, ring all-reduce 2 (W-1)/W * bytes / bus bandwidth, no overlap
+of the two (the runner all-reduces after the backward pass).
 """
 from __future__ import annotations
 

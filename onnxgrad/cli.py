@@ -340,7 +340,7 @@ def run_cmd(train_model, steps, lr, data, dim, seed, provider, report):
                   check_output_path(report, [train_model], True))
 
 
-@cli.command("train", epilog=EXIT_CODES_HELP)
+@cli.command("train", epilog=EXIT_CODES_HELP.replace("70 internal", "7 a collective failed (torchrun), 70 internal"))
 @click.argument("step_model", type=click.Path(path_type=str))
 @click.option("--data", required=True, type=click.Path(path_type=str),
               help="An .npz file with one array per data input of the step graph, all with the same first dim.")

@@ -87,6 +87,29 @@ def partition(sizes: dict[str, int], world: int) -> dict[str, int]:
     return owner
 
 
+def plan_buckets(grads: list[tuple[str, tuple, np.dtype]], cap_bytes: int, loss: tuple[str, tuple, np.dtype]
+                 ) -> list[tuple[np.dtype, list[tuple[str, tuple]]]]:
+    """All-reduce buckets: consecutive gradients (in the order given: backward order) of one element type, a new
+    bucket when the next would pass `cap_bytes` (a gradient larger than that gets one of its own); the loss
+    rides in the last bucket of its type (one collective less), else in a bucket of its own."""
+    plan: list[tuple[np.dtype, list[tuple[str, tuple]]]] = []
+    filled = 0
+    for name, shape, dtype in grads:
+        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if not plan or plan[-1][0] != dtype or (filled + size > cap_bytes and plan[-1][1]):
+            plan.append((dtype, []))
+            filled = 0
+        plan[-1][1].append((name, tuple(shape)))
+        filled += size
+    last_of_type = {dtype: i for i, (dtype, _) in enumerate(plan)}
+    name, shape, dtype = loss
+    if dtype in last_of_type:
+        plan[last_of_type[dtype]][1].append((name, tuple(shape)))
+    else:
+        plan.append((dtype, [(name, tuple(shape))]))
+    return plan
+
+
 class DataParallelTrainer(StepGraphTrainer):
     """A `StepGraphTrainer` that is one of the processes of a torch.distributed job: `fit` and `step` take the
     global batch and run this process's shard of it; losses are those of the global batch.
@@ -203,7 +226,8 @@ class DataParallelTrainer(StepGraphTrainer):
         self._tensors: dict[str, list] = {}
         self._segments: list[tuple[list, int, int, int]] = []   # (the two flat buffers, start, length, owner)
         by_type: dict[np.dtype, list[str]] = {}
-        for p in sorted(params, key=lambda p: (self.owner[p], params.index(p))):
+        position = {p: i for i, p in enumerate(params)}
+        for p in sorted(params, key=lambda p: (self.owner[p], position[p])):
             by_type.setdefault(graph.initial[p].dtype, []).append(p)
         for dtype, names in by_type.items():
             total = sum(self.graph.initial[p].size for p in names)
@@ -225,24 +249,10 @@ class DataParallelTrainer(StepGraphTrainer):
                 self._tensors[name] = [first, self.torch.empty_like(first)]
         self._buffers = {name: [self._shared(t) for t in pair] for name, pair in self._tensors.items()}
 
-        # Gradient buckets: consecutive gradients of one element type, up to bucket_mb each; the loss rides
-        # in the last bucket of its type (one collective less), else in a bucket of its own.
-        self._buckets, self._grad_values, current, current_bytes = [], {}, None, 0
-        cap = self._bucket_bytes
-        plan: list[tuple[np.dtype, list[tuple[str, tuple]]]] = []
-        for g, p in zip(self.split.grads, self.split.grad_parameters):
-            shape, dtype = graph.initial[p].shape, graph.initial[p].dtype
-            size = int(np.prod(shape)) * dtype.itemsize
-            if current is None or current[0] != dtype or current_bytes + size > cap and current[1]:
-                current, current_bytes = (dtype, []), 0
-                plan.append(current)
-            current[1].append((g, shape))
-            current_bytes += size
-        last_of_type = {dtype: i for i, (dtype, _) in enumerate(plan)}
-        if graph.loss_dtype in last_of_type:
-            plan[last_of_type[graph.loss_dtype]][1].append((graph.loss, graph.loss_shape))
-        else:
-            plan.append((graph.loss_dtype, [(graph.loss, graph.loss_shape)]))
+        entries = [(g, graph.initial[p].shape, graph.initial[p].dtype)
+                   for g, p in zip(self.split.grads, self.split.grad_parameters)]
+        plan = plan_buckets(entries, self._bucket_bytes, (graph.loss, graph.loss_shape, graph.loss_dtype))
+        self._buckets, self._grad_values = [], {}
         for dtype, members in plan:
             flat = self._empty(sum(int(np.prod(s)) for _, s in members), dtype)
             flat.zero_()

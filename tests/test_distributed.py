@@ -282,6 +282,17 @@ def test_zero1_deals_parameters_largest_first_to_the_least_loaded():
     assert sorted(partition(sizes, 8).values())[:3] == [0, 1, 2]
 
 
+def test_buckets_follow_backward_order_and_element_type():
+    from onnxgrad.distributed import plan_buckets
+
+    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
+    grads = [("c_grad", (256,), f32), ("b_grad", (10, 10), f32), ("a_grad", (300,), f32), ("h_grad", (4,), f16)]
+    plan = plan_buckets(grads, 1600, ("loss", (), f32))
+    assert plan == [(f32, [("c_grad", (256,)), ("b_grad", (10, 10))]), (f32, [("a_grad", (300,)), ("loss", ())]),
+                    (f16, [("h_grad", (4,))])]
+    assert plan_buckets(grads[:1], 8, ("loss", (), f16)) == [(f32, [("c_grad", (256,))]), (f16, [("loss", ())])]
+
+
 def test_bad_phases_metadata_and_missing_torch(monkeypatch, tmp_path, capsys):
     import onnxgrad
     from onnxgrad.cli import main
