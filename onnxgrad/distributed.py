@@ -36,7 +36,6 @@ from datetime import timedelta
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import helper
 
 from . import runtime
 from .contract import LOSS_FN_KEY, OPTIMIZER_KEY
@@ -323,9 +322,9 @@ class DataParallelTrainer(StepGraphTrainer):
         if self.zero1 and self.world > 1:
             started = time.perf_counter()
             self._collective("broadcast of the updated parameters",
-                             [self.dist.broadcast(flats[1 - self._current][start:start + length], src=owner,
-                                                  async_op=True)
-                              for flats, start, length, owner in self._segments])
+                             lambda: [self.dist.broadcast(flats[1 - self._current][start:start + length],
+                                                          src=owner, async_op=True)
+                                      for flats, start, length, owner in self._segments])
             comm += time.perf_counter() - started
         self.comm_seconds.append(comm)
         self._current = 1 - self._current
@@ -338,16 +337,18 @@ class DataParallelTrainer(StepGraphTrainer):
         if self.device == "cuda":
             self.torch.cuda.synchronize(self._tdevice)
         self._collective("all-reduce of the gradients",
-                         [self.dist.all_reduce(b, async_op=True) for b in self._buckets])
+                         lambda: [self.dist.all_reduce(b, async_op=True) for b in self._buckets])
         if self.reduce_mean:
             for b in self._buckets:
                 b.div_(self.world)
         if self.device == "cuda":  # onnxruntime's stream does not wait for PyTorch's
             self.torch.cuda.synchronize(self._tdevice)
 
-    def _collective(self, what: str, works: list) -> None:
+    def _collective(self, what: str, launch) -> None:
+        """Run `launch()` (which starts collectives and returns their works) and wait for them; a failure or a
+        timeout becomes one line."""
         try:
-            for work in works:
+            for work in launch():
                 work.wait()
         except RuntimeError as e:
             raise DistributedError(f"rank {self.rank} of {self.world}: step {self.steps_done + 1}: the {what} "
@@ -410,7 +411,11 @@ class DataParallelTrainer(StepGraphTrainer):
             except OnnxgradError as e:
                 payload = [("error", str(e))]
         if self.world > 1:
-            self.dist.broadcast_object_list(payload, src=0)
+            try:
+                self.dist.broadcast_object_list(payload, src=0)
+            except RuntimeError as e:
+                raise DistributedError(f"rank {self.rank} of {self.world}: receiving the checkpoint from rank 0 "
+                                       f"failed ({_first_line(e)})") from None
         if payload[0][0] == "error":
             raise UsageError(payload[0][1])
         _, record, state = payload[0]
