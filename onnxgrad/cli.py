@@ -449,6 +449,33 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
                                     "export": export, **result.to_json(), **extra}), outputs["report"])
 
 
+@cli.command("split", epilog=EXIT_CODES_HELP)
+@click.argument("step_model", type=click.Path(path_type=str))
+@click.option("-o", "--output-dir", "output_dir", required=True, type=click.Path(path_type=str),
+              help="An existing folder: gradient.onnx and update.onnx are written there.")
+@click.option("-f", "--force", is_flag=True, help="Accepted; existing files are replaced.")
+def split_cmd(step_model, output_dir, force):
+    """Cut a step graph (build-grad --optimizer) in two at the gradients: gradient.onnx (data and parameters
+    in; the loss, the forward outputs and <p>_grad out, in backward order) and update.onnx (<p>_grad,
+    parameters, optimizer state and lr in; every .next output out, metadata onnxgrad.state). Running the
+    first, then the second on its gradients, is one run of the step graph; a data-parallel runner averages
+    the gradients in between (as `onnxgrad train` does under torchrun)."""
+    from .loader import read_model
+    from .split import split_step_graph
+
+    if not os.path.isdir(output_dir):
+        raise UsageError(f"--output-dir {output_dir}: no such folder")
+    paths = {name: check_output_path(os.path.join(output_dir, f"{name}.onnx"), [step_model], force)
+             for name in ("gradient", "update")}
+    split = split_step_graph(read_model(step_model))
+    for name, model in (("gradient", split.gradient), ("update", split.update)):
+        save_model(model, paths[name])
+        click.echo(str(paths[name]))
+    log.info("%d parameters; optimizer nodes from the %s; %d + %d nodes", len(split.parameters),
+             "onnxgrad.phases metadata" if split.phase_source == "metadata" else "graph's structure",
+             len(split.gradient.graph.node), len(split.update.graph.node))
+
+
 @cli.command("ops")
 @click.option("--markdown", is_flag=True, help="Print the table as Markdown (as in the README).")
 @click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),

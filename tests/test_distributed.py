@@ -273,6 +273,21 @@ def test_split_graphs_run_as_the_step_graph():
         assert optimizer_node_mask(unmarked)[0] == optimizer_node_mask(step)[0]
 
 
+def test_cli_split_writes_the_two_graphs(tmp_path, capsys):
+    from onnxgrad.cli import main
+    from onnxgrad.contract import STATE_KEY
+
+    onnx.save(step_graph("adamw-accumulate-clip"), tmp_path / "step.onnx")
+    assert main(["split", str(tmp_path / "step.onnx"), "-o", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.split() == [str(tmp_path / "gradient.onnx"), str(tmp_path / "update.onnx")]
+    gradient, update = onnx.load(tmp_path / "gradient.onnx"), onnx.load(tmp_path / "update.onnx")
+    assert [o.name for o in gradient.graph.output][:2] == ["loss", "logits"]
+    assert {i.name for i in update.graph.input} >= {o.name for o in gradient.graph.output[2:]}
+    assert STATE_KEY in {p.key for p in update.metadata_props}
+    assert main(["split", str(MODELS / "mlp.onnx"), "-o", str(tmp_path)]) == 2
+    assert "not a step graph" in capsys.readouterr().err
+
+
 def test_zero1_deals_parameters_largest_first_to_the_least_loaded():
     from onnxgrad.distributed import partition
 
