@@ -57,11 +57,10 @@ def neg(ctx):
 
 @rule("Pow", since=13)
 def pow_(ctx):
-    """y = a ** b: da = dy * b * a ** (b - 1) (0 where b = 0), db = dy * y * log(a) (0 where a = 0 and b >= 0)"""
+    """y = a ** b: da = dy * b * a ** (b - 1) (0 where b = 0), db = dy * y * log(a) (0 where a <= 0)"""
     a, b, y, gy = ctx.I(0), ctx.I(1), ctx.O(0), ctx.GO(0)
     op = ctx.op
     ga = gb = None
-    b_as_a = None
     if ctx.needs(0):
         # a constant exponent of 1 or 2 gets a shorter form; not one that is trained (a parameter is fed anew)
         exponent = None if ctx.needs(1) else ctx.const_input(1)
@@ -81,13 +80,12 @@ def pow_(ctx):
         ga = ctx.unbroadcast(ga, a)
     if ctx.needs(1):
         gb = op.Mul(op.Mul(gy, y), op.Log(a))
-        # a = 0 with b >= 0: y is 0 (or 1) on a whole side of b, so db = 0 where log(a) would make it -inf * 0
-        # (PyTorch masks the same elements)
+        # log(a) is -inf at a = 0 and NaN below, where y is finite (0 or 1 at a = 0 with b >= 0, a real power
+        # for an integer b): db is 0 there, as TensorFlow has it (PyTorch masks a = 0 with b >= 0 only)
         base = ctx.const_input(0)
-        if base is None or not np.all(base != 0):
+        if base is None or not np.all(base > 0):
             zero = ctx.const_like(0.0, a)
-            at_zero = op.And(op.Equal(a, zero), op.GreaterOrEqual(b, ctx.const_like(0.0, b)))
-            gb = op.Where(at_zero, zero, gb)
+            gb = op.Where(op.Greater(a, zero), gb, zero)
         gb = ctx.unbroadcast(gb, b)
     return [ga, gb]
 
