@@ -322,3 +322,10 @@ def test_symbolic_dims_give_the_gradients_of_static_ones(form):
     got = [runtime.session(t, "cpu").run(None, feeds) for t in (static, symbolic)]
     for a, b in zip(*got):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=str)
+def test_reference_cases_backward_runs_on_cuda(case):
+    from test_cuda_coverage import added_fallbacks
+    fwd, wrt = _model(case, np.float32)
+    assert not added_fallbacks(fwd, _build(fwd, float_outputs(fwd), wrt))
