@@ -433,13 +433,13 @@ def solve_milp(problem: Problem, budget: int, time_limit: float = 60.0, mip_rel_
 #
 # A schedule is built from a plan of one entry per op, in stages like Checkmate's: stage t runs op t after
 # recomputing, in index order, whatever op t needs that is not available. An op's entry is a horizon h and a
-# reuse flag: its first run serves readers up to stage h; after that a reader recomputes it, and the recomputed
-# copy is held until its last reader (reuse) or serves only the stage that made it (no reuse: recomputed again
-# for every stage that needs it). Named classes of entries:
+# reuse stage r: its first run serves readers up to stage h; after that a reader recomputes it, and a copy
+# recomputed at stage r or later is held until its last reader (reused), an earlier one serves only the stage
+# that made it (recomputed again for every stage that needs it). Named classes of entries:
 #   HOLD: h = the end; a checkpoint, held from its one run to its last reader;
-#   REUSE: h = the end of the forward region, reuse; Chen et al.'s segment recomputation;
-#   DROP: h = the end of the forward region, no reuse; the inner level of revolve/treeverse;
-#   SHORT: h = SHORT_REACH stages after its run, no reuse; a far forward reader (the end of a skip connection)
+#   REUSE: h = the end of the forward region, r = 0; Chen et al.'s segment recomputation;
+#   DROP: h = the end of the forward region, r = the end; the inner level of revolve/treeverse;
+#   SHORT: h = SHORT_REACH stages after its run, r = the end; a far forward reader (the end of a skip connection)
 #          recomputes it instead of holding it across the block.
 # Ops that are not movable always HOLD. Plans span store-all, Chen's sqrt(n) segments (HOLD at segment
 # boundaries, REUSE inside), multi-level schemes (HOLD, REUSE and DROP nested) and checkpoints held only part of
@@ -451,22 +451,23 @@ SHORT, DROP, REUSE, HOLD = 0, 1, 2, 3
 SHORT_REACH = 2
 
 
-def plan_entry(horizon: int, reuse: bool) -> int:
-    return 2 * horizon + int(reuse)
+def plan_entry(n: int, horizon: int, reuse_from: int) -> int:
+    """One op's plan entry in a problem of n ops (horizon and reuse stage in 0..n; n: the end)."""
+    return horizon * (n + 1) + reuse_from
 
 
 def plan_of_classes(problem: Problem, classes: list[int]) -> tuple[int, ...]:
     """The plan of one named class per op (ignored for ops that are not movable)."""
     n, last_forward = problem.n, problem.forward_end - 1
-    hold = plan_entry(n, True)
+    hold = plan_entry(n, n, 0)
     entries = []
     for i, c in enumerate(classes):
         if not problem.movable[i] or c == HOLD:
             entries.append(hold)
         elif c == SHORT:
-            entries.append(plan_entry(min(last_forward, i + SHORT_REACH), False))
+            entries.append(plan_entry(n, min(last_forward, i + SHORT_REACH), n))
         else:
-            entries.append(plan_entry(last_forward, c == REUSE))
+            entries.append(plan_entry(n, last_forward, 0 if c == REUSE else n))
     return tuple(entries)
 
 
@@ -476,8 +477,8 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
     when given, receives for each op the stages at which something read it."""
     n = problem.n
     reads, movable = problem.reads, problem.movable
-    horizon = [plan[i] >> 1 if movable[i] else n for i in range(n)]
-    reuse = [bool(plan[i] & 1) for i in range(n)]
+    horizon = [plan[i] // (n + 1) if movable[i] else n for i in range(n)]
+    reuse_from = [plan[i] % (n + 1) for i in range(n)]
     computed_at = [-1] * n  # stage of the latest run of each op
     schedule: list[int] = []
     for t in range(n):
@@ -491,7 +492,7 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
                 if i in need:
                     continue
                 at = computed_at[i]
-                if (t <= horizon[i] if at == i else reuse[i]):
+                if (t <= horizon[i] if at == i else at >= reuse_from[i]):
                     continue
                 need.add(i)
                 stack.append(i)
@@ -560,11 +561,13 @@ class _Pool:
         return front
 
 
-def _segment_plan(problem: Problem, outer: int, inner: int | None) -> tuple[int, ...]:
+def _segment_plan(problem: Problem, outer: int, inner: int | None, held_tail: float = 0.0) -> tuple[int, ...]:
     """The plan of a segmented scheme along the forward region: HOLD at every `outer`-th cut, REUSE at every
     `inner`-th cut between them (REUSE everywhere when `inner` is None: Chen's scheme), DROP elsewhere. Cuts
-    are placed where few bytes cross from one side of the forward region to the other, and the last segment is
-    held outright (recomputing it would cost its own size in memory anyway)."""
+    are placed where few bytes cross from one side of the forward region to the other. The last segment is held
+    outright (recomputing it would cost its own size in memory anyway), and so is the last `held_tail` fraction
+    of the cuts: for budgets between Chen's and store-all, the top of the network is cheaper to hold than to
+    recompute."""
     cuts, crossing = _cuts(problem)
     n = problem.n
     classes = [HOLD] * n
@@ -575,7 +578,7 @@ def _segment_plan(problem: Problem, outer: int, inner: int | None) -> tuple[int,
     count = len(cuts)
     if count == 0:
         return plan_of_classes(problem, classes)
-    tail = cuts[max(0, count - outer)]
+    tail = cuts[max(0, min(count - outer, int(count * (1 - held_tail))))]
     for j, position in enumerate(cuts):
         level = HOLD if (j + 1) % outer == 0 else (REUSE if inner is not None and (j + 1) % inner == 0 else None)
         if level is None:
@@ -637,17 +640,22 @@ def _structured(problem: Problem, pool: _Pool) -> None:
     count = len(_cuts(problem)[0])
     if count == 0:
         return
-    steps = 48
+    steps = 32
     lengths = sorted({max(1, round(count ** (e / steps))) for e in range(steps + 1)})
     # from Chen's sqrt(n) outwards, so that a tight work limit still covers the middle of the front
     middle = math.sqrt(count)
-    for outer in sorted(lengths, key=lambda k: abs(math.log(k / middle))):
-        pool.evaluate(_segment_plan(problem, outer, None))
+    by_distance = sorted(lengths, key=lambda k: abs(math.log(k / middle)))
+    for held_tail in (0.0, 0.5):
+        for outer in by_distance:
+            pool.evaluate(_segment_plan(problem, outer, None, held_tail))
     pool.evaluate(plan_of_classes(problem, [REUSE] * problem.n))
-    for outer in sorted(lengths, key=lambda k: abs(math.log(k / middle))):
+    for outer in by_distance:
         for inner in sorted({max(2, round(outer ** f)) for f in (0.34, 0.5, 0.67)}):
             if inner < outer and inner <= 32:
                 pool.evaluate(_segment_plan(problem, outer, inner))
+    for held_tail in (0.25, 0.75, 0.125, 0.375, 0.625, 0.875):
+        for outer in by_distance:
+            pool.evaluate(_segment_plan(problem, outer, None, held_tail))
 
 
 def _local_search(problem: Problem, pool: _Pool, grid: list[int], pairs: bool) -> None:
@@ -675,8 +683,8 @@ def _local_search(problem: Problem, pool: _Pool, grid: list[int], pairs: bool) -
 
 def _options(problem: Problem, state: tuple[int, ...] | None = None) -> list[tuple[int, list[int]]]:
     """For each movable op, the plan entries worth trying: horizons at each of its readers, at each stage that
-    reads it in `state`'s schedule, at the end of the forward region and at the end, each with and without
-    reuse."""
+    reads it in `state`'s schedule, at the end of the forward region and at the end, each with reuse from the
+    start or never; and the current horizon with reuse from each of those stages."""
     n, last_forward = problem.n, problem.forward_end - 1
     demands: list[list[int]] = [[] for _ in range(n)]
     if state is not None:
@@ -686,8 +694,12 @@ def _options(problem: Problem, state: tuple[int, ...] | None = None) -> list[tup
         if not problem.movable[i]:
             continue
         horizons = sorted({u for u in problem.users[i]} | {last_forward} | set(demands[i]))
-        entries = [plan_entry(h, r) for h in horizons if h < n for r in (False, True)]
-        options.append((i, entries + [plan_entry(n, True)]))
+        entries = {plan_entry(n, h, r) for h in horizons if h < n for r in (0, n)}
+        current = state[i] // (n + 1) if state is not None else n
+        if current < n:
+            entries |= {plan_entry(n, current, r) for r in demands[i]}
+        entries.add(plan_entry(n, n, 0))
+        options.append((i, sorted(entries)))
     return options
 
 
@@ -764,13 +776,17 @@ def _pair_move(pool: _Pool, state: tuple[int, ...], cost: float, budget: int
 
 
 LOCAL_SEARCH_OPS = 400  # problems with at most this many movable ops also get the local search
-DEFAULT_WORK = 4_000_000  # schedule steps the fast solver may build and simulate (about 20 s of Python)
+DEFAULT_WORK = 6_000_000  # schedule steps the fast solver may build and simulate (10-20 s of Python)
 
 
 def _front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 24) -> list[_Candidate]:
     """The Pareto front of every plan the search evaluates. The search stops after `work` schedule steps, a
     count rather than a time, so the front is the same on every call and every machine: that is what makes
-    the cost of `solve` fall or stay when the budget grows."""
+    the cost of `solve` fall or stay when the budget grows. The front is kept on the problem (treated as
+    immutable once solved), so a sweep over budgets searches once."""
+    fronts = problem.__dict__.setdefault("_fronts", {})
+    if work in fronts:
+        return fronts[work]
     small = sum(problem.movable) <= LOCAL_SEARCH_OPS
     pool = _Pool(problem, work, keep_profiles=small)
     try:
@@ -787,7 +803,8 @@ def _front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 24) ->
                 _local_search(problem, pool, grid, pairs)
     except _OutOfWork:
         pass
-    return pool.front()
+    fronts[work] = pool.front()
+    return fronts[work]
 
 
 def pareto(problem: Problem, work: int = DEFAULT_WORK) -> list[Solution]:
