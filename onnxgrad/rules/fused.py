@@ -363,9 +363,9 @@ def rms_normalization(ctx):
     xw = _cast(ctx, x, x_type, work)
     gy = _cast(ctx, ctx.GO(0), ctx.elem_type(y), work)
     # r from a sum of squares: a per-row statistic, with no input-sized intermediate
-    count = _count(ctx, x, axes, work)
+    count = _count(ctx, x, work)
     r = op.Reciprocal(op.Sqrt(op.Add(op.Div(op.ReduceSumSquare(xw, axes, keepdims=1), count),
-                                     ctx.op.const(ctx.attr("epsilon", 1e-5), work))))
+                                     op.const(ctx.attr("epsilon", 1e-5), work))))
     gx = gs = None
     if ctx.needs(0):
         g = op.Mul(gy, _cast(ctx, scale, ctx.elem_type(scale), work))
@@ -376,8 +376,8 @@ def rms_normalization(ctx):
     return [gx, gs]
 
 
-def _count(ctx, x, axes, elem_type):
-    """Elements per normalized row: static where the shape is, else Size(x) / Size(ReduceSum(x))."""
+def _count(ctx, x, elem_type):
+    """Elements per normalized row: static where the shape is, else the product of Shape(x)[axis:]."""
     first = ctx.normalize_axis(ctx.attr("axis", -1), ctx.rank(x))
     dims = x.shape[first:]
     if all(isinstance(d, int) for d in dims):
