@@ -25,7 +25,7 @@ from .errors import UnsupportedError
 
 MAX_ELEMENTS = 4096  # larger integer tensors (index tables) are left to run time
 # Each round folds at least one node, so the rounds are bounded by the node count; this bound is far above what
-# exporters write (one round per chained shape computation: a ShuffleNetV2 takes about 20).
+# exporters write (one round per link of a chain of shape computations, each reading the shape the last made).
 MAX_ROUNDS = 1000
 _NO_FOLD = {"Constant", "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
             "Multinomial", "If", "Loop", "Scan"}
