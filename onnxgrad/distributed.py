@@ -11,6 +11,10 @@ The step graph is split (split.py) into a gradient graph and an update graph. A 
 3. the update graph on the averaged gradients: gradient accumulation and clipping by global norm happen there,
    so they see the averaged gradient, as in a one-process run on the whole batch.
 
+With accumulation over K micro-batches, each process accumulates its own gradients and step 2 runs on the
+K-th micro-batch only, over the accumulated sums (this micro-batch's share added first); the others
+all-reduce just the loss.
+
 Buffers are PyTorch tensors shared with onnxruntime through DLPack (`OrtValue.from_dlpack`): onnxruntime writes
 the gradients into the buckets that the collective reads, and reads the averaged values in place; nothing is
 copied between the two libraries, on the CPU or on CUDA. As in the one-process trainer, the state is held in
@@ -38,7 +42,7 @@ import onnx
 import onnxruntime as ort
 
 from . import runtime
-from .contract import LOSS_FN_KEY, OPTIMIZER_KEY
+from .contract import GRAD_SUFFIX, LOSS_FN_KEY, OPTIMIZER_KEY
 from .errors import OnnxgradError, UsageError
 from .optim import state_kinds
 from .runner import Batches, StepGraphTrainer, read_checkpoint, read_step_graph
@@ -156,7 +160,14 @@ class DataParallelTrainer(StepGraphTrainer):
         self.session = self.update_session
         self.steps_done, self.resumed, self.lr, self._lr_chosen = 0, None, None, False
         self.comm_seconds: list[float] = []         # per step: waiting for collectives
+        self.comm_bytes: list[int] = []             # per step: bytes this process all-reduced or broadcast
         self._current = 0
+        # With accumulation over K micro-batches, each process sums its own gradients and the sums are
+        # all-reduced on the K-th only (their average is the average of the sums): K times less traffic.
+        accumulate = settings["accumulate"]
+        self._accumulate = accumulate if self.world > 1 else 1
+        self._acc_names = [f"{p}.grad_acc" for p in params] if self._accumulate > 1 else []
+        self._micro = int(self.graph.initial["micro_step"]) if self._accumulate > 1 else 0
         self._allocate()
         self._grad_bindings = [self._gradient_binding(b) for b in (0, 1)]
         self._bindings = [self._update_binding(b) for b in (0, 1)]
@@ -219,29 +230,17 @@ class DataParallelTrainer(StepGraphTrainer):
 
     def _allocate(self) -> None:
         """Parameters: two flat buffers per element type, ordered by owner, so that an owner's parameters are one
-        contiguous range to broadcast. Other state: two tensors each. Gradients: flat buckets in backward
-        order. Every onnxruntime value is a view of these (DLPack)."""
+        contiguous range to broadcast. Accumulated gradients (when all-reduced once per K micro-batches): two
+        flat buffers per type too. Other state: two tensors each. Gradients: flat buckets in backward order.
+        Every onnxruntime value is a view of these (DLPack)."""
         graph, params = self.graph, self.split.parameters
         self._tensors: dict[str, list] = {}
-        self._segments: list[tuple[list, int, int, int]] = []   # (the two flat buffers, start, length, owner)
-        by_type: dict[np.dtype, list[str]] = {}
         position = {p: i for i, p in enumerate(params)}
-        for p in sorted(params, key=lambda p: (self.owner[p], position[p])):
-            by_type.setdefault(graph.initial[p].dtype, []).append(p)
-        for dtype, names in by_type.items():
-            total = sum(self.graph.initial[p].size for p in names)
-            flats = [self._empty(total, dtype) for _ in (0, 1)]
-            offset = 0
-            for rank in range(self.world):
-                start = offset
-                for p in (p for p in names if self.owner[p] == rank):
-                    size = graph.initial[p].size
-                    views = [f[offset:offset + size].view(graph.initial[p].shape) for f in flats]
-                    views[0].copy_(self._tensor(graph.initial[p]))
-                    self._tensors[p] = views
-                    offset += size
-                if offset > start:
-                    self._segments.append((flats, start, offset - start, rank))
+        ordered = sorted(params, key=lambda p: (self.owner[p], position[p]))
+        self._segments = [(flats, start, length, owner)           # (the two flat buffers, start, length, owner)
+                          for flats, ranges in self._flat(ordered, self.owner.get)
+                          for start, length, owner in ranges]
+        self._acc_flats = [flats for flats, _ in self._flat(self._acc_names, lambda name: 0)]
         for name in self.held:
             if name not in self._tensors:
                 first = self._tensor(graph.initial[name])
@@ -263,6 +262,31 @@ class DataParallelTrainer(StepGraphTrainer):
                 offset += size
             self._buckets.append(flat)
         self._loss_tensor = self._grad_values[graph.loss][0]
+
+    def _flat(self, names: list[str], group) -> list[tuple[list, list[tuple[int, int, int]]]]:
+        """State values `names` as views of two flat buffers per element type, in their order, the first buffer
+        holding the initial values; per type, the buffers and the (start, length, group) ranges of
+        consecutive names of one `group(name)`."""
+        initial = self.graph.initial
+        by_type: dict[np.dtype, list[str]] = {}
+        for name in names:
+            by_type.setdefault(initial[name].dtype, []).append(name)
+        out = []
+        for dtype, members in by_type.items():
+            flats = [self._empty(sum(initial[n].size for n in members), dtype) for _ in (0, 1)]
+            ranges, offset = [], 0
+            for name in members:
+                size = initial[name].size
+                views = [f[offset:offset + size].view(initial[name].shape) for f in flats]
+                views[0].copy_(self._tensor(initial[name]))
+                self._tensors[name] = views
+                if ranges and ranges[-1][2] == group(name):
+                    ranges[-1] = (ranges[-1][0], ranges[-1][1] + size, ranges[-1][2])
+                else:
+                    ranges.append((offset, size, group(name)))
+                offset += size
+            out.append((flats, ranges))
+        return out
 
     def _shared(self, tensor) -> ort.OrtValue:
         """An OrtValue on the tensor's memory (DLPack; on the CPU, numpy's buffer where onnxruntime has no
@@ -316,31 +340,54 @@ class DataParallelTrainer(StepGraphTrainer):
             binding.bind_ortvalue_input(name, value)
         self.grad_session.run_with_iobinding(binding)
         started = time.perf_counter()
-        self._all_reduce()
+        apply = (self._micro + 1) % self._accumulate == 0    # this micro-batch updates the parameters
+        self._all_reduce(apply)
         comm = time.perf_counter() - started
         self.update_session.run_with_iobinding(self._bindings[self._current])
-        if self.zero1 and self.world > 1:
+        if self.zero1 and self.world > 1 and apply:
             started = time.perf_counter()
             self._collective("broadcast of the updated parameters",
                              lambda: [self.dist.broadcast(flats[1 - self._current][start:start + length],
                                                           src=owner, async_op=True)
                                       for flats, start, length, owner in self._segments])
             comm += time.perf_counter() - started
+            self.comm_bytes[-1] += sum(n * flats[0].element_size() for flats, _, n, _ in self._segments)
+        elif self.zero1 and self.world > 1:  # no update: the others' parameters carry over unchanged
+            for flats, start, length, owner in self._segments:
+                if owner != self.rank:
+                    flats[1 - self._current][start:start + length].copy_(flats[self._current][start:start + length])
         self.comm_seconds.append(comm)
+        self._micro = (self._micro + 1) % self._accumulate
         self._current = 1 - self._current
         self.steps_done += 1
         return float(self._loss_tensor.reshape(-1)[0].item())
 
-    def _all_reduce(self) -> None:
+    def _all_reduce(self, apply: bool) -> None:
+        """The gradient buckets (under accumulation: the gradient sums) on a micro-batch that updates; only the
+        loss on the others."""
         if self.world == 1:
+            self.comm_bytes.append(0)
             return
         if self.device == "cuda":
             self.torch.cuda.synchronize(self._tdevice)
+        if not apply:
+            tensors = [self._loss_tensor.reshape(-1)]
+        elif self._acc_names:
+            # The update graph adds g/K to the sums; adding it here first (the same float32 ops) and feeding
+            # zeros instead leaves one tensor per parameter to all-reduce, the sums.
+            for name, p in zip(self._acc_names, self.split.parameters):
+                g = self._grad_values[p + GRAD_SUFFIX][0]
+                self._tensors[name][self._current].add_(g / self._accumulate)
+                g.zero_()
+            tensors = [flats[self._current] for flats in self._acc_flats] + [self._loss_tensor.reshape(-1)]
+        else:
+            tensors = self._buckets
         self._collective("all-reduce of the gradients",
-                         lambda: [self.dist.all_reduce(b, async_op=True) for b in self._buckets])
+                         lambda: [self.dist.all_reduce(t, async_op=True) for t in tensors])
         if self.reduce_mean:
-            for b in self._buckets:
-                b.div_(self.world)
+            for t in tensors:
+                t.div_(self.world)
+        self.comm_bytes.append(sum(t.numel() * t.element_size() for t in tensors))
         if self.device == "cuda":  # onnxruntime's stream does not wait for PyTorch's
             self.torch.cuda.synchronize(self._tdevice)
 
@@ -371,6 +418,14 @@ class DataParallelTrainer(StepGraphTrainer):
         """A host copy of the whole state, in the step graph's order; gathered from the owners under ZeRO-1
         (collective)."""
         local = {name: self._tensors[name][self._current].cpu().numpy().copy() for name in self.held}
+        if self._acc_names and self._micro:
+            # between updates each process holds its own sums: the state is their average (their sum for a
+            # summed loss), which any number of processes continues from
+            summed = {name: self._tensors[name][self._current].clone() for name in self._acc_names}
+            self._collective("all-reduce of the accumulated gradients",
+                             lambda: [self.dist.all_reduce(t, async_op=True) for t in summed.values()])
+            for name, t in summed.items():
+                local[name] = (t / self.world if self.reduce_mean else t).cpu().numpy()
         if self.zero1 and self.world > 1:
             gathered = [None] * self.world
             try:
@@ -395,6 +450,11 @@ class DataParallelTrainer(StepGraphTrainer):
                 raise UsageError(f"{source}: {name!r} is {value.dtype}{list(value.shape)}, the step graph "
                                  f"wants {want.dtype}{list(want.shape)}")
             current.copy_(self._tensor(value))
+        if self._acc_names:
+            self._micro = int(values["micro_step"])
+            if not self.reduce_mean and self.rank != 0:  # summed across processes later: rank 0 brings it
+                for name in self._acc_names:
+                    self._tensors[name][self._current].zero_()
 
     def save_checkpoint(self, path: str | os.PathLike, batches: Batches | None = None) -> None:
         """The whole state, gathered, written by rank 0 in the one-process format (collective)."""

@@ -31,9 +31,10 @@ CONFIGS = {
     "momentum-accumulate-clip-zero1": ("momentum", {"lr": 0.05, "accumulate": 2, "clip_grad_norm": 0.5}, True),
     "adamw-accumulate-clip": ("adamw", {"lr": 0.01, "accumulate": 2, "clip_grad_norm": 0.5}, False),
     "adamw-accumulate-clip-zero1": ("adamw", {"lr": 0.01, "accumulate": 2, "clip_grad_norm": 0.5}, True),
-    "momentum-sum-loss": ("momentum", {"lr": 0.005}, False),   # --loss-fn reduction sum: gradients are summed
+    "momentum-sum-loss": ("momentum", {"lr": 0.005, "accumulate": 2}, False),   # reduction sum: gradients summed
 }
 RESUME = "adamw-accumulate-clip"     # the optimizer of the checkpoint tests
+HALF = 9                             # they stop after 9 micro-batches: between two updates
 TINY_BUCKET_MB = 0.001               # ~1 KB: the MLP's gradients go to several buckets
 
 
@@ -111,14 +112,15 @@ def worker(folder: Path) -> None:
         state = trainer.state_dict()
         if trainer.rank == 0:
             np.savez(folder / f"{name}.out.npz", losses=np.array(result.losses),
-                     buckets=np.array(len(trainer._buckets)),
+                     buckets=np.array(len(trainer._buckets)), comm_bytes=np.array(trainer.comm_bytes),
                      **{f"state/{k}": v for k, v in state.items()})
-    # checkpoints: written here at step 10 (ZeRO-1), and resumed here from a one-process checkpoint
+    # checkpoints: written here after an odd number of micro-batches (ZeRO-1, each process holding its own
+    # sums), and resumed here from a one-process checkpoint
     step = folder / f"{RESUME}.onnx"
     first = DataParallelTrainer(step, provider="cpu", threads=1, zero1=True, timeout=60)
-    first.fit(data, steps=STEPS // 2, batch=BATCH, seed=0, checkpoint=folder / "dp10.npz")
+    first.fit(data, steps=HALF, batch=BATCH, seed=0, checkpoint=folder / "dp_half.npz")
     second = DataParallelTrainer(step, provider="cpu", threads=1, zero1=True, timeout=60)
-    second.load_checkpoint(folder / "one10.npz")
+    second.load_checkpoint(folder / "one_half.npz")
     result = second.fit(data, steps=STEPS, batch=BATCH, seed=0)
     state = second.state_dict()
     if second.rank == 0:
@@ -163,7 +165,7 @@ def job(tmp_path_factory):
         result = one.fit(data_for(name), steps=STEPS, batch=BATCH, seed=0)
         reference[name] = (result.losses, one.state_dict())
     one = StepGraphTrainer(folder / f"{RESUME}.onnx", provider="cpu", threads=1)
-    one.fit(data, steps=STEPS // 2, batch=BATCH, seed=0, checkpoint=folder / "one10.npz")
+    one.fit(data, steps=HALF, batch=BATCH, seed=0, checkpoint=folder / "one_half.npz")
     results = finish(launch(["worker", str(folder)]), timeout=600)
     for rank, (code, _, stderr) in enumerate(results):
         assert code == 0, f"rank {rank}: {stderr[-3000:]}"
@@ -180,10 +182,14 @@ def test_two_processes_equal_one_process(job, name):
         assert rel_error(out["losses"], losses) <= REL_TOL
         assert {k[len("state/"):] for k in out.files if k.startswith("state/")} == set(state)
         errors = {k: rel_error(out[f"state/{k}"], v) for k, v in state.items()}
+        out_bytes = list(out["comm_bytes"])
     assert max(errors.values()) <= REL_TOL, errors
     if "clip" in name:  # the clipping was active: the run differs from one without it
         _, unclipped = reference[name.replace("-accumulate-clip", "")]
         assert rel_error(state["fc1.weight"], unclipped["fc1.weight"]) > 1e-3
+    if "accumulate" in name:  # the 1st micro-batch of each pair all-reduces the loss; the 2nd the gradient sums
+        sums = 4 * sum(v.size for k, v in state.items() if k.endswith(".grad_acc"))   # (+ ZeRO-1's broadcasts)
+        assert set(out_bytes[0::2]) == {4} and set(out_bytes[1::2]) == {sums + 4 + (sums if "zero1" in name else 0)}
     if "sum-loss" in name:  # a summed loss: the loss of the global batch is the sum of the two halves'
         assert losses[0] > BATCH
 
@@ -195,13 +201,14 @@ def test_checkpoints_resume_on_another_world_size(job):
     losses, state = reference[RESUME]
     # 2 processes (ZeRO-1) resumed from a one-process checkpoint
     with np.load(folder / "resumed.out.npz") as out:
-        assert rel_error(out["losses"], losses[STEPS // 2:]) <= REL_TOL
+        assert rel_error(out["losses"], losses[HALF:]) <= REL_TOL
         assert max(rel_error(out[f"state/{k}"], v) for k, v in state.items()) <= REL_TOL
     # one process resumed from the checkpoint rank 0 wrote for 2 processes (ZeRO-1: gathered from the owners)
     one = StepGraphTrainer(folder / f"{RESUME}.onnx", provider="cpu", threads=1)
-    assert one.load_checkpoint(folder / "dp10.npz")["step"] == STEPS // 2
+    record = one.load_checkpoint(folder / "dp_half.npz")
+    assert record["step"] == HALF and int(one.state_dict()["micro_step"]) == 1
     result = one.fit(learnable_data(), steps=STEPS, batch=BATCH, seed=0)
-    assert rel_error(result.losses, losses[STEPS // 2:]) <= REL_TOL
+    assert rel_error(result.losses, losses[HALF:]) <= REL_TOL
     end = one.state_dict()
     assert max(rel_error(end[k], v) for k, v in state.items()) <= REL_TOL
 
