@@ -198,22 +198,43 @@ def build_grad(mirror, **flags):
 
 @cli.command("mirror", epilog=EXIT_CODES_HELP)
 @_model_flags
-@click.option("--policy", type=click.Choice(["mxnet"]), default="mxnet", show_default=True,
-              help="How to choose what to recompute. mxnet: every op but the compute-heavy ones (Conv, MatMul, "
-                   "Gemm, Einsum, attention, recurrent cells) and losses, less the groups whose storage "
-                   "releases at least what it keeps; random ops are never recomputed.")
-def mirror_cmd(policy, **flags):
-    """Write MODEL's training graph with backward mirroring: cheap forward values are recomputed in the
-    backward pass, just before their first use, instead of being kept from the forward pass. MODEL is a forward
-    model (its gradient is built first, with any build-grad flag) or a training or step graph that build-grad
-    wrote without mirroring. The report (--report, and one line on stderr) gives the simulated peak memory
-    before and after; the written graph's metadata keeps the plan and the onnxruntime settings the saving
-    needs (every onnxgrad runner applies them). Sizes need every dimension known: bind symbols with --dim."""
-    _build_and_write("mirror", mirror=policy, **flags)
+@click.option("--policy", type=click.Choice(["mxnet", "budget"]), default=None,
+              help="How to choose what to recompute. mxnet (the default without --budget): every op but the "
+                   "compute-heavy ones (Conv, MatMul, Gemm, Einsum, attention, recurrent cells) and losses, less "
+                   "the groups whose storage releases at least what it keeps. budget (the default with --budget): "
+                   "the least recomputation whose simulated peak fits --budget. Random ops are never recomputed.")
+@click.option("--budget", metavar="BYTES|0.4x|auto",
+              help="The peak memory of one run to fit: bytes (16GiB, 1500MB, 2e9), a fraction of the unmirrored "
+                   "peak (0.4x), or auto (the least peak at most one extra forward pass of recomputation "
+                   "buys). The peak counts weights, inputs, gradients, saved activations and temporaries. A "
+                   "budget below the least peak any schedule reaches is an error that prints that floor.")
+@click.option("--solver", "solver_name", type=click.Choice(["fast", "milp"]), default="fast", show_default=True,
+              help="With --budget: fast (a search over which values to keep, recomputing a value more than once "
+                   "where cheaper; seconds on 10k-node graphs) or milp (the exact mixed-integer program of "
+                   "Checkmate through HiGHS, for the optimum on small graphs; bounded by --time-limit).")
+@click.option("--time-limit", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="With --solver milp: seconds HiGHS may take (the best schedule found then is used, with its "
+                   "gap in the report).")
+@click.option("--sweep", metavar="OUT.png", type=click.Path(path_type=str),
+              help="Also chart peak memory against extra compute over the budgets the fast solver reaches, with "
+                   "MXNet's plan, checkpoints every sqrt(n) layers and store-all marked; the table goes to "
+                   "stdout (needs matplotlib for the chart).")
+def mirror_cmd(policy, budget, solver_name, time_limit, sweep, **flags):
+    """Write MODEL's training graph with backward mirroring: forward values are recomputed in the backward
+    pass, just before their use, instead of being kept from the forward pass. MODEL is a forward model (its
+    gradient is built first, with any build-grad flag) or a training or step graph that build-grad wrote
+    without mirroring. The report (--report, and one line on stderr) gives the simulated peak memory before and
+    after; the written graph's metadata keeps the plan and the onnxruntime settings the saving needs (every
+    onnxgrad runner applies them). Sizes need every dimension known: bind symbols with --dim."""
+    policy = policy or ("budget" if budget else "mxnet")
+    if policy == "mxnet" and budget:
+        raise UsageError("--budget: goes with --policy budget, not mxnet")
+    options = {"budget": budget, "solver": solver_name, "time_limit": time_limit, "sweep": sweep}
+    _build_and_write("mirror", mirror=policy, mirror_extra=options, **flags)
 
 
 def _build_and_write(command, model, output, loss, requires_grad, frozen, also_grad, input_shape, dim, save,
-                     recompute, external_data, report, force, mirror, **training):
+                     recompute, external_data, report, force, mirror, mirror_extra=None, **training):
     from .api import build
     from .loader import parse_dim_bindings, parse_shape_bindings
 
@@ -226,7 +247,7 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
     result = build(model, loss=loss, requires_grad=_names(requires_grad) or None, frozen=_names(frozen),
                    also_grad=_names(also_grad), input_shapes=parse_shape_bindings(list(input_shape)),
                    dims=parse_dim_bindings(list(dim)), weights_apart=True, mirror=mirror,
-                   mirror_options={"save": _names(save), "recompute": _names(recompute)},
+                   mirror_options={"save": _names(save), "recompute": _names(recompute), **(mirror_extra or {})},
                    **_training_options(training))
     r = result.report
     if not r["parameters"] and not r.get("also_grad"):
@@ -248,6 +269,13 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
         log.info("%s: %d forward nodes recomputed; simulated peak %s -> %s (saved activations %s -> %s)", out,
                  len(m["recomputed"]), _mib(p["unmirrored_peak_bytes"]), _mib(p["peak_bytes"]),
                  _mib(p["unmirrored_saved_bytes"]), _mib(p["saved_bytes"]))
+        if "budget_bytes" in m:
+            log.info("%s: budget %s (%s), floor %s; %.2f extra forward passes of recomputation (%s solver%s)",
+                     out, m["budget"], _mib(m["budget_bytes"]) if m["budget_bytes"] else "auto",
+                     _mib(m["floor_bytes"]), m["extra_forward_passes"], m["solver"],
+                     "" if m.get("gap") is None else f", gap {m['gap']:.2%}")
+    if "sweep" in r:
+        click.echo(r["sweep"]["table"])
     click.echo(str(out))
 
 

@@ -103,6 +103,9 @@ def _infer(node: Node, opset: int) -> tuple[int, tuple[Dim, ...] | None] | None:
         dims = constant(first)
         if dims is not None:
             return elem, tuple(int(d) for d in dims)
+        source = first.producer
+        if source is not None and source.op_type == "Shape" and not source.attributes:
+            return elem, source.inputs[0].shape  # zeros like a value: its shape, symbols and all
         return elem, (None,) * first.shape[0] if first.shape and isinstance(first.shape[0], int) else None
     if op in REDUCE and first is not None and first.elem_type:
         return first.elem_type, _reduced(node, opset)

@@ -193,3 +193,43 @@ def plot(timelines: dict[str, Timeline], path) -> None:
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
+
+
+def peak_of_plan(graph: Graph, order: list, nbytes: dict[int, int]) -> int:
+    """The peak `simulate` would give for the graph after `plan.apply(graph, Plan(order=order))`, without
+    changing the graph: copies and the reads `apply` rewires are followed as versions of the original values."""
+    by_name = {n.name: n for n in graph.nodes}
+    kept = {id(v) for v in graph.outputs}
+    static = sum(nbytes[id(v)] for v in graph.inputs) + sum(
+        nbytes[id(graph.values[t])] for t in graph.initializers
+        if t in graph.values and graph.values[t] not in graph.inputs)
+    latest: dict[int, int] = {}          # id(original value) -> current version number
+    steps: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = []  # (reads, writes) as (value, version)
+    for step in order:
+        copy = isinstance(step, tuple)
+        node = by_name[step[0] if copy else step]
+        rewired = copy or node.phase == BACKWARD
+        reads = [(id(v), latest.get(id(v), 0) if rewired else 0) for v in node.all_inputs if v is not None]
+        writes = []
+        for v in node.outputs:
+            if v.name:
+                version = latest.get(id(v), 0) + 1 if copy else 0
+                if copy:
+                    latest[id(v)] = version
+                writes.append((id(v), version))
+        steps.append((reads, writes))
+    last: dict[tuple[int, int], int] = {}
+    for k, (reads, _) in enumerate(steps):
+        for r in reads:
+            last[r] = k
+    frees: dict[int, list[int]] = {}
+    for k, (_, writes) in enumerate(steps):
+        for w in writes:
+            if not (w[1] == 0 and w[0] in kept):
+                frees.setdefault(last.get(w, k), []).append(nbytes[w[0]])
+    live = peak = 0
+    for k, (_, writes) in enumerate(steps):
+        live += sum(nbytes[w[0]] for w in writes)
+        peak = max(peak, live)
+        live -= sum(frees.get(k, ()))
+    return static + peak

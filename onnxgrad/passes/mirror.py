@@ -1,22 +1,29 @@
-"""The mirror pass: recompute cheap forward values in the backward pass instead of keeping them.
+"""The mirror pass: recompute forward values in the backward pass instead of keeping them.
 
-A policy decides (`memory.mxnet`: MXNet's mirroring) and returns a `memory.plan.Plan`; `memory.plan.apply`
-rewrites the graph to run it. The pass puts the simulated peak before and after into the plan, which the
-written graph keeps in its metadata and the report shows.
+A policy decides and returns a `memory.plan.Plan`: `memory.mxnet` (MXNet's mirroring), or `memory.budget` (the
+least recomputation whose peak fits `--budget`, found by `memory.solver`). `memory.plan.apply` rewrites the
+graph to run the plan. The pass simulates the peak before and after, keeps the plan in the graph's metadata,
+and puts it in the report with a reason per forward node.
 """
 from __future__ import annotations
 
 import json
+import math
+import time
 
-from ..contract import MIRROR_KEY
+from ..contract import FORWARD, MIRROR_KEY
 from ..errors import UsageError
 from ..memory import plan as plans
+from ..memory import solver
+from ..memory.budget import BudgetProblem, parse_budget
+from ..memory.cost import CostModel
 from ..memory.mxnet import MirrorFunction, mxnet_plan
-from ..memory.simulate import simulate, sizes
+from ..memory.simulate import peak_of_plan, simulate, sizes
 from ..pipeline import Build, Pass
 from ..shapes import type_everything
 
-POLICIES = ("mxnet",)
+POLICIES = ("mxnet", "budget")
+SOLVERS = ("fast", "milp")
 
 
 class Mirror(Pass):
@@ -38,10 +45,13 @@ class Mirror(Pass):
         name_every_node(graph, build.new_names())
         nbytes = sizes(graph, o.dims)
         before = simulate(graph, nbytes=nbytes)
-        mirror = MirrorFunction(graph, set(o.mirror_options.get("save", ())),
-                                set(o.mirror_options.get("recompute", ())))
-        plan = mxnet_plan(graph, nbytes, mirror)
-        plans.apply(graph, plan, build.new_names())
+        save = set(o.mirror_options.get("save", ()))
+        recompute = set(o.mirror_options.get("recompute", ()))
+        if o.mirror == "mxnet":
+            plan = mxnet_plan(graph, nbytes, MirrorFunction(graph, save, recompute))
+            plans.apply(graph, plan, build.new_names())
+        else:
+            plan = budget_plan(build, nbytes, before.peak, save, recompute)
         after = simulate(graph, nbytes=sizes(graph, o.dims))
         plan.predicted = {"peak_bytes": after.peak, "unmirrored_peak_bytes": before.peak,
                           "saved_bytes": sum(b for _, b in after.saved),
@@ -49,6 +59,81 @@ class Mirror(Pass):
         graph.metadata[MIRROR_KEY] = json.dumps(plan.record(), separators=(",", ":"))
         build.plan = plan
         build.report["mirror"] = {**plan.record(), "reasons": plan.reasons}
+
+
+def budget_plan(build: Build, nbytes: dict[int, int], unmirrored_peak: int, save: set[str],
+                recompute: set[str]) -> plans.Plan:
+    """Solve for the cheapest schedule under the budget, apply it, and check the written graph's peak."""
+    graph, o = build.graph, build.options
+    opts = o.mirror_options
+    budget = parse_budget(opts.get("budget") or "auto")
+    which = opts.get("solver", "fast")
+    if which not in SOLVERS:
+        raise UsageError(f"--solver {which}: expected one of {', '.join(SOLVERS)}")
+    if recompute:
+        raise UsageError("--recompute: with --budget the solver chooses what to recompute; use --save to keep a "
+                         "node")
+    forward = {n.name for n in graph.nodes if n.phase == FORWARD}
+    for name in sorted(save - forward):
+        raise UsageError(f"--save {name}: no forward node of that name")
+    costs = opts.get("cost_model") or CostModel(symbols=dict(o.dims))
+    bp = BudgetProblem(graph, nbytes, costs, save)
+    problem = bp.problem
+    least = solver.floor(problem)
+    target = budget.resolve(unmirrored_peak)
+    if target is not None and target < least:
+        raise UsageError(f"--budget {budget.text}: {_mib(target)} is below the least peak any schedule can reach, "
+                         f"{_mib(least)} ({_mib(problem.static_bytes)} of weights and inputs, and the largest "
+                         f"working set of one op)")
+    time_limit = float(opts.get("time_limit", 60.0))
+    started = time.perf_counter()
+    wanted = target
+    for _ in range(4):  # the graph's own peak is checked; a miss tightens the problem's budget by the excess
+        solution = _solve(bp, which, target, time_limit)
+        if solution is None:
+            raise UsageError(_no_schedule(budget, target, least, which))
+        plan = bp.plan(solution, "budget" if which == "fast" else "budget-milp")
+        peak = peak_of_plan(graph, plan.order, nbytes)
+        if wanted is None or peak <= wanted:
+            break
+        target -= peak - wanted
+    else:
+        raise UsageError(_no_schedule(budget, wanted, least, which))
+    plans.apply(graph, plan, build.new_names())
+    seconds = time.perf_counter() - started
+    recomputed_flops = sum(costs.flops(bp.nodes[k]) * runs for k, runs in solution.recomputed.items())
+    forward_flops = sum(costs.flops(n) for n in bp.nodes if n.phase == FORWARD)
+    plan.extra = {"budget": budget.text, "budget_bytes": wanted, "floor_bytes": least, "solver": solution.solver,
+                  "gap": solution.gap, "status": solution.status, "solve_seconds": round(seconds, 3),
+                  "extra_cost": solution.extra_cost, "forward_cost": bp.forward_cost,
+                  "extra_forward_passes": solution.extra_cost / bp.forward_cost if bp.forward_cost else 0.0,
+                  "extra_flops": recomputed_flops, "forward_flops": forward_flops}
+    return plan
+
+
+def _solve(bp: BudgetProblem, which: str, target: int | None, time_limit: float) -> solver.Solution | None:
+    problem = bp.problem
+    if target is None:  # auto: the least peak at most one extra forward pass buys
+        front = solver.pareto(problem)
+        affordable = [s for s in front if s.extra_cost <= bp.forward_cost * (1 + 1e-9)]
+        best = min(affordable, key=lambda s: (s.peak, s.cost)) if affordable else None
+        if best is not None and which == "milp":
+            return solver.solve_milp(problem, best.peak, time_limit) or best
+        return best
+    if which == "milp":
+        return solver.solve_milp(problem, target, time_limit)
+    return solver.solve(problem, target)
+
+
+def _no_schedule(budget, target, least, which) -> str:
+    if target is None:
+        return "--budget auto: no schedule found"
+    return (f"--budget {budget.text}: no schedule under {_mib(target)} found by the {which} solver (the least "
+            f"possible peak is {_mib(least)}; try a larger budget" + (" or --solver milp)" if which == "fast" else ")"))
+
+
+def _mib(n: int | float) -> str:
+    return f"{n / 2**20:.1f} MiB" if math.isfinite(n) else str(n)
 
 
 def name_every_node(graph, names) -> None:
