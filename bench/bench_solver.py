@@ -1,0 +1,107 @@
+"""The recomputation solvers on abstract problems: speed and extra cost of the fast solver, and its gap to the
+exact (Checkmate MILP) optimum on small problems.
+
+    .venv/bin/python bench/bench_solver.py [--sizes 100,1000,10000] [--milp-time 60] [--no-milp]
+
+`--sizes ''` skips the scale table.
+
+Scale table: uniform chains of n layers and random training DAGs of n forward ops (2n ops with the backward;
+`solver.chain`, `solver.random_training_dag`, seed 1). `front s` is the time of the first `solve` on a problem
+(it builds the whole front; later budgets on the same problem pick from it), then for budgets of 30%, 50% and
+70% of the unmirrored peak: the schedule's simulated peak (as a fraction of the unmirrored one) and its extra
+cost in forward passes. `chen` is the least peak at <= 1 extra forward pass, in activations, beside 2*sqrt(n).
+
+Gap table: chains and random DAGs of 6 to 14 forward ops, at budgets from the floor to the unmirrored peak:
+the MILP's cost (status, time) and the fast solver's, as total cost and as extra cost over the baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from onnxgrad.memory.solver import (best_under, chain, floor, pareto, random_training_dag,  # noqa: E402
+                                    simulate, solve, solve_milp)
+
+FRACTIONS = (0.3, 0.5, 0.7)
+
+
+def scale_table(sizes: list[int]) -> None:
+    print("| problem | ops | front s | " + " | ".join(f"{f:.0%}: peak, extra fwd" for f in FRACTIONS)
+          + " | chen (2*sqrt n) |")
+    print("|---|---|---|" + "---|" * len(FRACTIONS) + "---|")
+    for kind in ("chain", "dag"):
+        for n in sizes:
+            problem = chain(n) if kind == "chain" else random_training_dag(n, 1)
+            forward_cost = sum(problem.cost[i] for i in range(problem.n) if problem.recomputable[i])
+            top = simulate(problem, problem.baseline).peak
+            started = time.perf_counter()
+            solve(problem, top)
+            elapsed = time.perf_counter() - started
+            cells = []
+            for f in FRACTIONS:
+                s = solve(problem, int(f * top))
+                cells.append("none" if s is None else f"{s.peak / top:.2f}, {s.extra_cost / forward_cost:.2f}")
+            chen = ""
+            if kind == "chain":
+                front = pareto(problem)
+                least = min(s.peak for s in front if s.extra_cost <= forward_cost)
+                chen = f"{least} ({2 * math.sqrt(n):.0f})"
+            print(f"| {kind} {n} | {problem.n} | {elapsed:.1f} | " + " | ".join(cells) + f" | {chen} |",
+                  flush=True)
+
+
+def gap_table(milp_time: float) -> None:
+    problems = [(f"chain {n}", chain(n)) for n in (6, 10, 14)]
+    problems += [(f"dag 12 seed {s}", random_training_dag(12, s)) for s in range(4)]
+    problems += [(f"dag 16 seed {s} skip .5", random_training_dag(16, 100 + s, skip=0.5)) for s in range(2)]
+    print("| problem | ops | budget | milp cost | milp status | milp s | fast cost | total ratio | extra ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    ratios = []
+    for name, problem in problems:
+        low, top = floor(problem), simulate(problem, problem.baseline).peak
+        for j in range(5):
+            budget = low + (top - low) * j // 4
+            started = time.perf_counter()
+            exact = solve_milp(problem, budget, time_limit=milp_time)
+            took = time.perf_counter() - started
+            fast = solve(problem, budget)
+            if exact is None:
+                print(f"| {name} | {problem.n} | {budget} | none | - | {took:.1f} | "
+                      f"{'none' if fast is None else fast.cost} | | |", flush=True)
+                continue
+            status = "optimal" if exact.status == "optimal" else f"gap {exact.gap:.0%}"
+            total = fast.cost / exact.cost if fast else math.inf
+            extra = (fast.extra_cost / exact.extra_cost if exact.extra_cost else
+                     (1.0 if fast and not fast.extra_cost else math.inf)) if fast else math.inf
+            if exact.status == "optimal":
+                ratios.append((total, extra))
+            print(f"| {name} | {problem.n} | {budget} | {exact.cost:g} | {status} | {took:.1f} | "
+                  f"{'none' if fast is None else f'{fast.cost:g}'} | {total:.3f} | {extra:.3f} |", flush=True)
+    if ratios:
+        totals = [t for t, _ in ratios]
+        extras = [e for _, e in ratios]
+        print(f"\nagainst proven optima ({len(ratios)} budgets): total cost ratio max {max(totals):.3f}, "
+              f"mean {sum(totals) / len(totals):.4f}; extra cost ratio max {max(extras):.3f}, "
+              f"within 5% of total: {sum(t <= 1.05 for t in totals)}/{len(totals)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="100,1000,10000")
+    parser.add_argument("--milp-time", type=float, default=60.0)
+    parser.add_argument("--no-milp", action="store_true")
+    args = parser.parse_args()
+    if args.sizes:
+        scale_table([int(s) for s in args.sizes.split(",")])
+        print()
+    if not args.no_milp:
+        gap_table(args.milp_time)
+
+
+if __name__ == "__main__":
+    main()
