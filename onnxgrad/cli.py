@@ -469,8 +469,10 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
     if "report" in outputs:
         extra = {}
         if parallel:
-            comm = trainer.comm_seconds[len(trainer.comm_seconds) - len(result.losses):]
+            ran = len(trainer.comm_seconds) - len(result.losses)
+            comm = trainer.comm_seconds[ran:]
             extra = {"world_size": trainer.world, "zero1": zero1, "allreduce_seconds": [round(s, 6) for s in comm],
+                     "allreduce_bytes": trainer.comm_bytes[ran:],
                      "allreduce_share": round(sum(comm) / max(sum(result.step_seconds), 1e-12), 6)}
         save_json(_report("train", {"input": step_model, "data": data, "device": trainer.device, "lr": trainer.lr,
                                     "seed": seed, "resumed_from": resume, "checkpoint": checkpoint,

@@ -244,6 +244,7 @@ def test_cli_under_torchrun(job, tmp_path):
     assert len(lines) == 2 and lines[0].startswith(f"steps 1-{STEPS} (epoch 2.50, cpu, 2 processes): loss ")
     r = json.loads(report.read_text())
     assert r["world_size"] == 2 and r["zero1"] is True and r["batch"] == BATCH and 0 <= r["allreduce_share"] < 1
+    assert len(r["allreduce_bytes"]) == STEPS and min(r["allreduce_bytes"]) > 4 * 800
     assert rel_error(r["losses"], reference["adamw"][0]) <= REL_TOL
     with np.load(ck) as npz:
         assert max(rel_error(npz[f"state/{k}"], v) for k, v in reference["adamw"][1].items()) <= REL_TOL
