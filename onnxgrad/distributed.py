@@ -444,8 +444,7 @@ class DataParallelTrainer(StepGraphTrainer):
             raise UsageError(f"{source}: {'has no value for' if odd in expected else 'has an unknown value'} "
                              f"{odd!r}")
         for name in self.held:
-            current, value = self._tensors[name][self._current], values[name]
-            want = current.cpu().numpy()
+            current, value, want = self._tensors[name][self._current], values[name], self.graph.initial[name]
             if tuple(value.shape) != tuple(want.shape) or value.dtype != want.dtype:
                 raise UsageError(f"{source}: {name!r} is {value.dtype}{list(value.shape)}, the step graph "
                                  f"wants {want.dtype}{list(want.shape)}")
