@@ -262,3 +262,11 @@ def test_front_is_the_same_on_every_call():
     fronts = [[(s.peak, s.cost, tuple(s.schedule)) for s in pareto(random_training_dag(18, 5), work=WORK)]
               for _ in range(2)]
     assert fronts[0] == fronts[1]
+
+
+def test_least_peak_within_one_forward_pass():
+    from onnxgrad.memory.solver import least_peak
+    p = chain(36)
+    auto = least_peak(p, max_extra_cost=36.0, work=WORK)
+    assert auto.extra_cost <= 36 and auto.peak <= 2 * 6 + 3
+    assert least_peak(p, 0.0, work=WORK).peak == simulate(p, p.baseline).peak

@@ -835,6 +835,16 @@ def solve(problem: Problem, budget: int, work: int = DEFAULT_WORK) -> Solution |
     return solution
 
 
+def least_peak(problem: Problem, max_extra_cost: float, work: int = DEFAULT_WORK) -> Solution | None:
+    """The schedule of least peak among the fast solver's whose extra cost is at most `max_extra_cost` (for
+    `--budget auto`, the cost of one forward pass: Chen et al.'s 2*sqrt(n) on a chain)."""
+    within = [c for c in _front(problem, work) if c.cost - problem.baseline_cost <= max_extra_cost + 1e-9]
+    if not within:
+        return None
+    chosen = min(within, key=lambda c: (c.peak, c.cost))
+    return make_solution(problem, build_schedule(problem, chosen.plan), "fast")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Problems for tests and benchmarks
 
