@@ -116,3 +116,23 @@ def test_other_domains_cost_bytes_only():
     n = node("MatMul", [(4, 4), (4, 4)], [(4, 4)])
     n.domain = "com.example"
     assert CostModel().flops(n) == 0
+
+
+def test_profile_costs_times_every_node():
+    from onnx import TensorProto as T
+
+    from onnxgrad.memory.cost import ProfiledCosts, profile_costs
+    x = helper.make_tensor_value_info("x", T.FLOAT, ["batch", 64])
+    y = helper.make_tensor_value_info("y", T.FLOAT, ["batch", 64])
+    w = helper.make_tensor("w", T.FLOAT, [64, 64], [0.01] * 64 * 64)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+                               helper.make_node("Relu", ["h"], ["y"], name="relu")], "g", [x], [y], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    with pytest.raises(UsageError, match="'x' has dimension 'batch'"):
+        profile_costs(model)
+    times = profile_costs(model, symbols={"batch": 8}, runs=2)
+    assert set(times) == {"mm", "relu"} and all(t > 0 for t in times.values())
+    costs = ProfiledCosts(times)
+    assert costs.cost(Node("Relu", [], [], "relu")) == times["relu"]
+    with pytest.raises(UsageError, match="'other' .* was not timed"):
+        costs.cost(Node("Relu", [], [], "other"))
