@@ -681,6 +681,31 @@ def _local_search(problem: Problem, pool: _Pool, grid: list[int], pairs: bool) -
             _improve(pool, start, budget, pairs)
 
 
+PERTURBATION_ROUNDS = 4
+
+
+def _perturbed_search(problem: Problem, pool: _Pool) -> None:
+    """Iterated local search: from each point of the front, change a few entries at random (seeded, so the
+    front stays the same on every call), then repair to the point's peak and improve; repeated while that finds
+    cheaper plans, up to PERTURBATION_ROUNDS rounds."""
+    rng = random.Random(0)
+    for _ in range(PERTURBATION_ROUNDS):
+        before = [(c.peak, c.cost) for c in pool.front()]
+        for point in pool.front():
+            options = _options(problem, point.plan)
+            if not options:
+                return
+            state = point.plan
+            for _ in range(min(3, len(options))):
+                i, entries = rng.choice(options)
+                state = state[:i] + (rng.choice(entries),) + state[i + 1:]
+            repaired = _descend(pool, state, point.peak)
+            if repaired is not None:
+                _improve(pool, repaired, point.peak, pairs=False)
+        if [(c.peak, c.cost) for c in pool.front()] == before:
+            return
+
+
 def _options(problem: Problem, state: tuple[int, ...] | None = None) -> list[tuple[int, list[int]]]:
     """For each movable op, the plan entries worth trying: horizons at each of its readers, at each stage that
     reads it in `state`'s schedule, at the end of the forward region and at the end, each with reuse from the
@@ -801,6 +826,7 @@ def _front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 24) ->
             for pairs in (False, True):
                 grid = sorted({c.peak - 1 for c in pool.front() if c.peak - 1 >= low}, reverse=True)
                 _local_search(problem, pool, grid, pairs)
+            _perturbed_search(problem, pool)
     except _OutOfWork:
         pass
     fronts[work] = pool.front()
