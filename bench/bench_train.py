@@ -29,6 +29,8 @@ ratio is the median over rounds of the ratio of the two sides' block medians, so
 they run the same model.
 `--profile K` runs K more steps of ours under onnxruntime's profiler and prints where the time goes by op type.
 `--variants` also times ours under other session settings (execution order, optimization level).
+`--conv-grad` instead times the training graph of single Conv layers (forward, input and weight gradient) with
+the weight gradient as the rules write it against the swapped-Conv form, in paired rounds.
 """
 from __future__ import annotations
 
@@ -541,6 +543,68 @@ def measure(sides, steps, rounds):
     return times, blocks, cpu
 
 
+CONV_LAYERS = {  # name: x shape, Conv weight shape, stride, group
+    "3x3, 3 -> 32 channels": ((64, 3, 32, 32), (32, 3, 3, 3), 1, 1),
+    "3x3, 32 -> 64": ((64, 32, 16, 16), (64, 32, 3, 3), 1, 1),
+    "3x3, 64 -> 64": ((8, 64, 16, 16), (64, 64, 3, 3), 1, 1),
+    "3x3/2, 128 -> 128": ((8, 128, 16, 16), (128, 128, 3, 3), 2, 1),
+    "3x3, 256 -> 256": ((8, 256, 8, 8), (256, 256, 3, 3), 1, 1),
+    "1x1, 256 -> 64": ((8, 256, 16, 16), (64, 256, 1, 1), 1, 1),
+    "7x7/2 stem, 3 -> 64": ((8, 3, 64, 64), (64, 3, 7, 7), 2, 1),
+    "depthwise 3x3, 96": ((16, 96, 32, 32), (96, 1, 3, 3), 1, 96),
+    "depthwise 3x3/2, 144": ((16, 144, 32, 32), (144, 1, 3, 3), 2, 144),
+}
+
+
+def conv_layer_model(x_shape, w_shape, stride, group):
+    w = Writer(seed=21)
+    k = w_shape[2]
+    y = w.node("Conv", ["x", w.param("w", w_shape, int(np.prod(w_shape[1:])))], kernel_shape=[k, k],
+               strides=[stride, stride], pads=[(k - 1) // 2] * 4, group=group)
+    # loss = sum(y * y): dy = 2y is computed at run time (a constant dy would let onnxruntime fold the weight
+    # gradient's operands into initializers, which no real step has)
+    w.nodes.append(helper.make_node("ReduceSum", [w.node("Mul", [y, y])], ["loss"], keepdims=0, name="sum"))
+    graph = helper.make_graph(w.nodes, "conv", [helper.make_tensor_value_info("x", FLOAT, list(x_shape))],
+                              [helper.make_tensor_value_info("loss", FLOAT, [])], w.inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
+
+
+def conv_grad_table(threads, steps, rounds):
+    """ms per run of a single Conv's training graph (x and w differentiated): the rules as they are, against
+    the weight gradient as the swapped Conv (the form below 16 channels per group)."""
+    import onnxgrad
+    from onnxgrad import runtime
+    from onnxgrad.rules import conv as conv_rules
+
+    def swapped(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations, begin, end, shift):
+        return conv_rules._weight_grad_as_conv(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations,
+                                               begin, end)
+    print("| layer (x shape) | rules' form ms | swapped Conv ms | rules / swapped | form the rules chose |")
+    print("|---|---:|---:|---:|---|")
+    for name, (x_shape, w_shape, stride, group) in CONV_LAYERS.items():
+        model = conv_layer_model(x_shape, w_shape, stride, group)
+        graphs = {"rules": onnxgrad.build(model, requires_grad=["x", "w"]).model}
+        original = conv_rules._conv_weight_grad
+        conv_rules._conv_weight_grad = swapped
+        try:
+            graphs["swapped"] = onnxgrad.build(model, requires_grad=["x", "w"]).model
+        finally:
+            conv_rules._conv_weight_grad = original
+        c_per_group = w_shape[1]
+        chose = ("GEMM per offset" if c_per_group >= conv_rules.GEMM_WEIGHT_GRAD_MIN_CHANNELS else
+                 "product summed" if c_per_group == 1 and stride == 1 else "swapped Conv (same graph)")
+        feeds = {"x": np.random.default_rng(0).standard_normal(x_shape).astype(np.float32)}
+        sessions = {k: runtime.session(g, "cpu", threads) for k, g in graphs.items()}
+        for sess in sessions.values():
+            sess.run(None, feeds)
+        sides = {k: (lambda sess: lambda n, cpu: timed(lambda: sess.run(None, feeds), n, cpu))(sess)
+                 for k, sess in sessions.items()}
+        times, blocks, _ = measure(sides, steps, rounds)
+        ratio = float(np.median(np.array(blocks["rules"]) / np.array(blocks["swapped"])))
+        print(f"| {name} ({'x'.join(map(str, x_shape))}) | {ms(times['rules']):.2f} | {ms(times['swapped']):.2f} | "
+              f"{ratio:.2f}x | {chose} |", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mlp,cnn,gpt")
@@ -553,7 +617,11 @@ def main(argv=None):
     default_ortt = "/tmp/ortt-venv/bin/python"
     ap.add_argument("--ort-training", default=default_ortt if os.path.exists(default_ortt) else "",
                     metavar="PYTHON", help="interpreter with onnxruntime-training 1.19.2 ('' to skip)")
+    ap.add_argument("--conv-grad", action="store_true", help="time single Conv layers' training graphs: the "
+                    "rules' weight gradient against the swapped-Conv form")
     args = ap.parse_args(argv)
+    if args.conv_grad:
+        return conv_grad_table(args.threads, args.steps, args.rounds)
 
     import onnxruntime
     import torch
