@@ -2,16 +2,17 @@
 
 The CUDA provider claims a node when its kernel registry has a kernel for the node's op, for the opset version
 that defines the op, and for the element types of the node's inputs and outputs; it then refuses a few attribute
-forms (`_REFUSED_FORMS`). A node it does not claim runs on the CPU provider, with copies across the bus both
+forms (`_refused_form`). A node it does not claim runs on the CPU provider, with copies across the bus both
 ways: correct, silent and slow. `cuda_fallbacks(model)` names each such node.
 
 `KERNELS` below is the ai.onnx part of the CUDA provider's kernel table as onnxruntime generates it
 (`docs/OperatorKernels.md`, section "Operators implemented by CUDAExecutionProvider", read at commit
 001d12d2623fd411ce0f83d05abb5e82304a3389 of github.com/microsoft/onnxruntime), and the refused forms are those of
-`CUDAExecutionProvider::GetCapability` (`onnxruntime/core/providers/cuda/cuda_execution_provider.cc`). The
-installed onnxruntime-gpu cannot list its own registry on a machine without a GPU: loading the provider needs
-the CUDA libraries and the driver, and `get_all_opkernel_def()` then constructs the provider, which needs a device.
-`bench/gpu_check.py` compares this table with the registry where a GPU is present.
+`CUDAExecutionProvider::GetCapability` (`onnxruntime/core/providers/cuda/cuda_execution_provider.cc`, read at
+commit 0018ddb68e9b). The installed onnxruntime-gpu (1.31.1) cannot list its own registry on a machine without a
+GPU: loading the provider needs the CUDA libraries and the driver, and `get_all_opkernel_def()` then constructs
+the provider, which needs a device. `bench/gpu_check.py` sets this table beside the placement onnxruntime
+actually chooses, where a GPU is present.
 
 Left out of the table: float8, 4-bit, string and sequence element types (no training graph of onnxgrad's carries
 them); a node with such a type is reported. Not modelled: onnxruntime also places small shape computations
@@ -29,7 +30,7 @@ from onnx import TensorProto, defs
 from .contract import PHASES_KEY
 
 SOURCE = ("onnxruntime docs/OperatorKernels.md (CUDAExecutionProvider, ai.onnx) at commit 001d12d2623f, and "
-          "CUDAExecutionProvider::GetCapability's refused forms")
+          "CUDAExecutionProvider::GetCapability's refused forms at commit 0018ddb68e9b")
 
 _TYPE_CODES = {
     "bf16": TensorProto.BFLOAT16, "bool": TensorProto.BOOL, "f64": TensorProto.DOUBLE, "f32": TensorProto.FLOAT,
