@@ -270,3 +270,12 @@ def test_least_peak_within_one_forward_pass():
     auto = least_peak(p, max_extra_cost=36.0, work=WORK)
     assert auto.extra_cost <= 36 and auto.peak <= 2 * 6 + 3
     assert least_peak(p, 0.0, work=WORK).peak == simulate(p, p.baseline).peak
+
+
+def test_fast_solver_reaches_a_floor_that_needs_everything_recomputed():
+    # under a budget of 24 nothing may stay alive across the forward's widest op (10, 11, 12: 8 bytes each), so
+    # the backward recomputes the forward from its first op; solve_milp's optimum is 238 (23 s, so not rerun)
+    problem = random_training_dag(12, 3)
+    assert floor(problem) == 24
+    solution = best_under(pareto(problem, work=WORK), 24)
+    assert solution is not None and solution.cost <= 1.05 * 238

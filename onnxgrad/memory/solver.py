@@ -561,13 +561,15 @@ class _Pool:
         return front
 
 
-def _segment_plan(problem: Problem, outer: int, inner: int | None, held_tail: float = 0.0) -> tuple[int, ...]:
+def _segment_plan(problem: Problem, outer: int | None, inner: int | None, held_tail: float = 0.0
+                  ) -> tuple[int, ...]:
     """The plan of a segmented scheme along the forward region: HOLD at every `outer`-th cut, REUSE at every
     `inner`-th cut between them (REUSE everywhere when `inner` is None: Chen's scheme), DROP elsewhere. Cuts
     are placed where few bytes cross from one side of the forward region to the other. The last segment is held
     outright (recomputing it would cost its own size in memory anyway), and so is the last `held_tail` fraction
     of the cuts: for budgets between Chen's and store-all, the top of the network is cheaper to hold than to
-    recompute."""
+    recompute. `outer` None: no checkpoint is held at all, every value is recomputed from the graph's inputs
+    (for budgets under which nothing may stay alive across the forward's widest op)."""
     cuts, crossing = _cuts(problem)
     n = problem.n
     classes = [HOLD] * n
@@ -578,9 +580,10 @@ def _segment_plan(problem: Problem, outer: int, inner: int | None, held_tail: fl
     count = len(cuts)
     if count == 0:
         return plan_of_classes(problem, classes)
-    tail = cuts[max(0, min(count - outer, int(count * (1 - held_tail))))]
+    tail = cuts[max(0, min(count - outer, int(count * (1 - held_tail))))] if outer else problem.n
     for j, position in enumerate(cuts):
-        level = HOLD if (j + 1) % outer == 0 else (REUSE if inner is not None and (j + 1) % inner == 0 else None)
+        level = (HOLD if outer and (j + 1) % outer == 0 else
+                 REUSE if inner is not None and (j + 1) % inner == 0 else None)
         if level is None:
             continue
         for i in crossing[j]:
@@ -653,6 +656,9 @@ def _structured(problem: Problem, pool: _Pool) -> None:
         for inner in sorted({max(2, round(outer ** f)) for f in (0.34, 0.5, 0.67)}):
             if inner < outer and inner <= 32:
                 pool.evaluate(_segment_plan(problem, outer, inner))
+    for inner in lengths:
+        if inner <= 32:
+            pool.evaluate(_segment_plan(problem, None, inner))
     for held_tail in (0.25, 0.75, 0.125, 0.375, 0.625, 0.875):
         for outer in by_distance:
             pool.evaluate(_segment_plan(problem, outer, None, held_tail))
@@ -671,6 +677,9 @@ def _local_search(problem: Problem, pool: _Pool, grid: list[int], pairs: bool) -
         if fitting:
             state = min(fitting)[1]
         descended = _descend(pool, state, budget)
+        least = min(pool.seen.items(), key=lambda e: (e[1][0], e[1][1]))
+        if descended is None and least[0] != state:
+            descended = _descend(pool, least[0], budget)
         if descended is not None:
             state = descended
             starts.append(descended)
