@@ -279,3 +279,14 @@ def test_fast_solver_reaches_a_floor_that_needs_everything_recomputed():
     assert floor(problem) == 24
     solution = best_under(pareto(problem, work=WORK), 24)
     assert solution is not None and solution.cost <= 1.05 * 238
+
+
+def test_milp_with_real_byte_sizes_fits_the_budget():
+    # sizes of hundreds of MB put a byte under HiGHS's feasibility tolerance; the budget must still hold exactly
+    unit = 123_456_789
+    small_chain, large_chain = chain(4), chain(4, activation_bytes=unit, static_bytes=7 * unit + 3)
+    for activations in (3, 4, 5):
+        budget = 7 * unit + 3 + activations * unit
+        exact = solve_milp(large_chain, budget)
+        assert exact.peak <= budget
+        assert exact.cost == solve_milp(small_chain, activations).cost
