@@ -4,6 +4,7 @@ from __future__ import annotations
 import onnx
 import onnxruntime as ort
 
+from .contract import DISABLED_OPTIMIZERS_KEY, EXECUTION_ORDER_KEY, MEMORY_REUSE_KEY
 from .errors import UsageError
 
 
@@ -35,10 +36,12 @@ def session_options(model: onnx.ModelProto, threads: int | None = None) -> tuple
     so.log_severity_level = 3
     if threads:
         so.intra_op_num_threads = threads
-    order = hints.get("onnxgrad.execution_order")
+    order = hints.get(EXECUTION_ORDER_KEY)
     if order:
         so.execution_order = getattr(ort.ExecutionOrder, order)
-    disabled = [s for s in hints.get("onnxgrad.disabled_optimizers", "").split(",") if s]
+    if hints.get(MEMORY_REUSE_KEY) == "off":
+        so.enable_mem_reuse = False
+    disabled = [s for s in hints.get(DISABLED_OPTIMIZERS_KEY, "").split(",") if s]
     return so, {"disabled_optimizers": disabled} if disabled else {}
 
 

@@ -6,18 +6,22 @@ contract.RUNTIME_HINTS), the CPU arena and memory patterns off:
 - a node's outputs are allocated when it runs and freed right after the last node that reads them; a graph
   output stays alive to the end; an output nobody reads is freed right after its node;
 - while a node runs, its inputs and its outputs are alive together, so the peak is taken during each node.
+- some kernels take working memory of their own while they run (`scratch_bytes`, measured on onnxruntime's
+  CPU kernels): Where selects into two output-sized buffers before it merges them, and ConvTranspose unfolds
+  each image into a column buffer.
 onnxruntime may also run an element-wise node in place, writing its output over an input it is the last
-reader of; that saves one tensor at that node and is not modelled, so the simulation errs on the high side.
+reader of, and Reshape shares its input's buffer; neither is modelled, so the simulation errs on the high side.
 
 Bytes need every shape known: symbolic dimensions are bound by `dims` (the `--dim` values).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..contract import BACKWARD, FORWARD, GRAD_SUFFIX, OPTIMIZER, RECOMPUTE
 from ..errors import UsageError
-from ..ir import Graph, Node, Value
+from ..ir import Graph, Node, Value, itemsize
 
 CATEGORIES = ("parameters", "inputs", "gradients", "saved activations", "temporaries")
 
@@ -83,42 +87,99 @@ def _all_values(graph: Graph):
                 yield v
 
 
+ALIASES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})  # output shares input 0's buffer
+
+
+class _Buffers:
+    """Values to buffers: an alias op's output shares its input's buffer, which lives while any of them does."""
+
+    def __init__(self):
+        self.root: dict = {}
+
+    def find(self, key):
+        while key in self.root:
+            key = self.root[key]
+        return key
+
+
+def _profile(steps, size, kept, buffers: _Buffers):
+    """Live bytes while and after each step. `steps`: (reads, writes, aliased, scratch) per node, where writes
+    are keys of new values and `aliased` maps a write to the read whose buffer it shares; `size[key]` gives
+    bytes. Returns (during, live_after, last step reading each buffer)."""
+    last: dict = {}
+    for k, (reads, writes, aliased, _) in enumerate(steps):
+        for w, r in aliased.items():
+            buffers.root[w] = r
+    for k, (reads, _, _, _) in enumerate(steps):
+        for r in reads:
+            last[buffers.find(r)] = k
+    kept_roots = {buffers.find(key) for key in kept}
+    frees: dict[int, int] = {}
+    for k, (_, writes, aliased, _) in enumerate(steps):
+        for w in writes:
+            if w in aliased:
+                continue
+            if w not in kept_roots:
+                at = max(last.get(w, k), k)
+                frees[at] = frees.get(at, 0) + size[w]
+    live = 0
+    during, live_after = [], []
+    for k, (_, writes, aliased, scratch) in enumerate(steps):
+        live += sum(size[w] for w in writes if w not in aliased)
+        during.append(live + scratch)
+        live -= frees.get(k, 0)
+        live_after.append(live)
+    return during, live_after, last
+
+
+def _steps_of(graph: Graph, nbytes: dict[int, int]):
+    steps = []
+    for n in graph.nodes:
+        writes = [id(v) for v in n.outputs if v.name]
+        aliased = {}
+        if n.op_type in ALIASES and not n.domain and n.inputs and n.inputs[0] is not None and writes:
+            aliased[writes[0]] = id(n.inputs[0])
+        steps.append(([id(v) for v in n.all_inputs if v is not None], writes, aliased, scratch_bytes(n, nbytes)))
+    return steps
+
+
 def simulate(graph: Graph, dims: dict[str, int] | None = None, nbytes: dict[int, int] | None = None) -> Timeline:
     """Run the schedule `graph.nodes` on paper."""
     nbytes = nbytes if nbytes is not None else sizes(graph, dims)
     static_values = {id(v) for v in graph.inputs} | {id(graph.values[n]) for n in graph.initializers
                                                      if n in graph.values}
     static = sum(nbytes[i] for i in static_values)
-    kept = {id(v) for v in graph.outputs}
-    last_read: dict[int, int] = {}
-    for k, n in enumerate(graph.nodes):
-        for v in n.all_inputs:
-            if v is not None:
-                last_read[id(v)] = k
-    frees: dict[int, list[int]] = {}
-    for k, n in enumerate(graph.nodes):
-        for v in n.outputs:
-            if v.name and id(v) not in kept:
-                frees.setdefault(last_read.get(id(v), k), []).append(id(v))
-
-    live = 0
-    live_after, during = [], []
-    for k, n in enumerate(graph.nodes):
-        live += sum(nbytes[id(v)] for v in n.outputs if v.name)
-        during.append(live)
-        live -= sum(nbytes[i] for i in frees.get(k, ()))
-        live_after.append(live)
+    kept = {id(v) for v in graph.outputs} | static_values
+    buffers = _Buffers()
+    steps = _steps_of(graph, nbytes)
+    during, live_after, last = _profile(steps, nbytes, kept, buffers)
     peak_index = max(range(len(during)), key=during.__getitem__) if during else 0
     readers = _reader_phases(graph)
-    at_peak = _alive_at(graph, peak_index, nbytes, last_read, kept, readers) if during else {}
+    at_peak = _alive_at(graph, peak_index, nbytes, last, kept, readers, buffers) if during else {}
     saved = saved_values(graph, nbytes, readers)
     return Timeline(live_after, during, static, static + (during[peak_index] if during else 0), peak_index,
                     graph.nodes[peak_index].name if graph.nodes else "", at_peak, saved)
 
 
-def _alive_at(graph: Graph, k: int, nbytes: dict[int, int], last_read: dict[int, int], kept: set[int],
-              readers_phase: dict[int, set[str]]) -> dict:
-    """Bytes per category alive while node k runs."""
+def scratch_bytes(node: Node, nbytes: dict[int, int]) -> int:
+    """Working memory an onnxruntime CPU kernel allocates for itself while it runs (measured with
+    `memory.measure` on single nodes): Where writes both selections into output-sized buffers before merging
+    them; ConvTranspose unfolds each image into a (C_out/group * kernel) x (input positions) column buffer."""
+    if node.domain not in ("", "ai.onnx"):
+        return 0
+    if node.op_type == "Where" and node.outputs[0].name:
+        return 2 * nbytes[id(node.outputs[0])]
+    if node.op_type == "ConvTranspose":
+        x, w = node.inputs[0], node.inputs[1]
+        if x.shape and w.shape and all(isinstance(d, int) for d in (*x.shape, *w.shape)):
+            columns = w.shape[1] * math.prod(w.shape[2:])  # ConvTranspose's weight is [C_in, C_out/group, k...]
+            return columns * math.prod(x.shape[2:]) * itemsize(x.elem_type)
+    return 0
+
+
+def _alive_at(graph: Graph, k: int, nbytes: dict[int, int], last: dict, kept: set[int],
+              readers_phase: dict[int, set[str]], buffers: _Buffers) -> dict:
+    """Bytes per category alive while node k runs (a buffer counts once, under the value that made it)."""
     out = dict.fromkeys(CATEGORIES, 0)
     inputs = {id(v) for v in graph.inputs}
     for v in graph.inputs:
@@ -127,9 +188,12 @@ def _alive_at(graph: Graph, k: int, nbytes: dict[int, int], last_read: dict[int,
         v = graph.values.get(name)
         if v is not None and id(v) not in inputs:
             out["parameters"] += nbytes[id(v)]
+    kept_roots = {buffers.find(key) for key in kept}
     for j, n in enumerate(graph.nodes[:k + 1]):
         for v in n.outputs:
-            if not v.name or (id(v) not in kept and last_read.get(id(v), j) < k):
+            if not v.name or buffers.find(id(v)) != id(v):
+                continue
+            if id(v) not in kept_roots and max(last.get(id(v), j), j) < k:
                 continue
             out[_category(n, v, kept, readers_phase)] += nbytes[id(v)]
     return out
@@ -199,12 +263,11 @@ def peak_of_plan(graph: Graph, order: list, nbytes: dict[int, int]) -> int:
     """The peak `simulate` would give for the graph after `plan.apply(graph, Plan(order=order))`, without
     changing the graph: copies and the reads `apply` rewires are followed as versions of the original values."""
     by_name = {n.name: n for n in graph.nodes}
-    kept = {id(v) for v in graph.outputs}
-    static = sum(nbytes[id(v)] for v in graph.inputs) + sum(
-        nbytes[id(graph.values[t])] for t in graph.initializers
-        if t in graph.values and graph.values[t] not in graph.inputs)
+    statics = [id(v) for v in graph.inputs] + [id(graph.values[t]) for t in graph.initializers if t in graph.values]
+    static = sum(nbytes[i] for i in set(statics))
+    kept = {(id(v), 0) for v in graph.outputs} | {(i, 0) for i in statics}
     latest: dict[int, int] = {}          # id(original value) -> current version number
-    steps: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = []  # (reads, writes) as (value, version)
+    steps = []
     for step in order:
         copy = isinstance(step, tuple)
         node = by_name[step[0] if copy else step]
@@ -217,19 +280,20 @@ def peak_of_plan(graph: Graph, order: list, nbytes: dict[int, int]) -> int:
                 if copy:
                     latest[id(v)] = version
                 writes.append((id(v), version))
-        steps.append((reads, writes))
-    last: dict[tuple[int, int], int] = {}
-    for k, (reads, _) in enumerate(steps):
-        for r in reads:
-            last[r] = k
-    frees: dict[int, list[int]] = {}
-    for k, (_, writes) in enumerate(steps):
-        for w in writes:
-            if not (w[1] == 0 and w[0] in kept):
-                frees.setdefault(last.get(w, k), []).append(nbytes[w[0]])
-    live = peak = 0
-    for k, (_, writes) in enumerate(steps):
-        live += sum(nbytes[w[0]] for w in writes)
-        peak = max(peak, live)
-        live -= sum(frees.get(k, ()))
-    return static + peak
+        aliased = {}
+        if node.op_type in ALIASES and not node.domain and node.inputs and node.inputs[0] is not None and writes:
+            aliased[writes[0]] = reads[0]
+        steps.append((reads, writes, aliased, scratch_bytes(node, nbytes)))
+    size = _VersionSizes(nbytes)
+    during, _, _ = _profile(steps, size, kept, _Buffers())
+    return static + max(during, default=0)
+
+
+class _VersionSizes:
+    """Bytes of (value, version) keys: every copy of a value has its size."""
+
+    def __init__(self, nbytes: dict[int, int]):
+        self.nbytes = nbytes
+
+    def __getitem__(self, key) -> int:
+        return self.nbytes[key[0]]

@@ -2,15 +2,22 @@
 records in the metadata (contract.RUNTIME_HINTS). The gradient pass appends the backward in reverse forward
 order, which frees each activation soon after its last backward use; the mirror pass places each recomputed
 node just before its first reader. This pass checks that the order is a valid one, repairs it when a pass left
-a node before one of its inputs' producers (a stable topological sort that moves as little as possible), and
-writes the settings (with the fusions a graph with recomputation must not run, contract.py)."""
+a node before one of its inputs' producers (a stable topological sort that moves as little as possible), ties
+the backward nodes that do not depend on the gradient to it (`anchor_to_gradient`), and writes the settings.
+
+The file order is the run order only while every backward node depends on the incoming gradient. onnxruntime
+numbers the nodes it creates after every node of the file: a function op it expands (SoftmaxCrossEntropyLoss
+above opset 13), a fusion at ORT_ENABLE_EXTENDED and above. Until those late-numbered nodes run, the
+gradient does not exist, and PRIORITY_BASED runs whatever else is ready: every recomputed node (they read
+only stored values) and every backward node that reads only forward values. They then run during the forward
+pass and keep their results alive, and the memory a plan saves is spent again."""
 from __future__ import annotations
 
 import heapq
 
-from ..contract import (DISABLED_OPTIMIZERS_KEY, LOSS_KEY, RECOMPUTE, RECOMPUTE_DISABLED_OPTIMIZERS,
-                        RUNTIME_HINTS)
-from ..ir import Graph, Node
+from ..builder import Builder
+from ..contract import BACKWARD, FORWARD, GRAD_SUFFIX, LOSS_KEY, RECOMPUTE, RUNTIME_HINTS
+from ..ir import Graph, Node, Value
 from ..pipeline import Build, Pass
 
 
@@ -23,10 +30,8 @@ class Schedule(Pass):
         graph = build.graph
         if not is_topological(graph):
             graph.reorder(stable_topological_order(graph.nodes))
+        build.report["anchored_nodes"] = anchor_to_gradient(graph, build.heads, build.new_names())
         graph.metadata.update(RUNTIME_HINTS)
-        if any(n.phase == RECOMPUTE for n in graph.nodes):
-            disabled = [RUNTIME_HINTS[DISABLED_OPTIMIZERS_KEY], *RECOMPUTE_DISABLED_OPTIMIZERS]
-            graph.metadata[DISABLED_OPTIMIZERS_KEY] = ",".join(disabled)
         graph.metadata[LOSS_KEY] = ",".join(h.name for h in build.heads)
 
 
@@ -64,3 +69,50 @@ def stable_topological_order(nodes: list[Node]) -> list[Node]:
             if waiting[id(r)] == 0:
                 heapq.heappush(ready, (position[id(r)], r))
     return order
+
+
+def anchor_to_gradient(graph: Graph, heads: list[Value], names) -> int:
+    """Make every backward or recomputed node that reads a forward value but nothing that depends on the loss
+    wait for the gradient computed just before it in the file: one of its forward inputs is read through a
+    Reshape to its own shape plus 0, the 0 being the ArgMax of one element of that gradient. Reshape shares
+    its input's buffer in onnxruntime, and the one-element slice costs nothing, so the node only gains an
+    ordering edge. Returns the number of nodes so tied."""
+    loss_nodes = {id(h.producer) for h in heads if h.producer is not None}
+    dependent = {id(v) for v in graph.inputs if v.name.endswith(GRAD_SUFFIX)}
+    order: list[Node] = []
+    zero_of: dict[int, Value] = {}  # id(gradient value) -> its one-element ArgMax (an int64 [1] holding 0)
+    source: Value | None = None
+    tied = 0
+    for node in list(graph.nodes):
+        inputs = [v for v in node.all_inputs if v is not None]
+        if node.phase in (BACKWARD, RECOMPUTE) and source is not None and not any(id(v) in dependent for v in inputs):
+            i = next((i for i, v in enumerate(node.inputs) if v is not None and v.producer is not None
+                      and v.producer.phase in (FORWARD, RECOMPUTE)), None)
+            if i is not None:
+                op = Builder(graph, names, prefix=f"{node.name}/after_gradient", phase=node.phase)
+                if id(source) not in zero_of:
+                    zero_of[id(source)] = _zero_from(op, source)
+                x = node.inputs[i]
+                node.set_input(i, op.Reshape(x, op.Add(op.Shape(x), zero_of[id(source)])))
+                node.inputs[i].elem_type, node.inputs[i].shape = x.elem_type, x.shape
+                order.extend(op.emitted)
+                tied += 1
+        order.append(node)
+        if id(node) in loss_nodes or any(id(v) in dependent for v in node.all_inputs if v is not None):
+            for o in node.outputs:
+                dependent.add(id(o))
+                if node.phase == BACKWARD and o.name and o.is_float and o.shape is not None:
+                    source = o
+    if tied:
+        graph.reorder(order)
+    return tied
+
+
+def _zero_from(op: Builder, g: Value) -> Value:
+    """An int64 [1] tensor holding 0 that onnxruntime can only compute once `g` exists."""
+    rank = len(g.shape)
+    one = g
+    if rank:
+        one = op.Slice(g, op.ints([0] * rank), op.ints([1] * rank), op.ints(range(rank)))
+    flat = op.Reshape(one, op.ints([-1]))
+    return op.ArgMax(flat, axis=0, keepdims=1)
