@@ -56,6 +56,7 @@ class Build:
     parameters: list[Value] = field(default_factory=list)
     also: list[Value] = field(default_factory=list)
     reaches_loss: set[int] = field(default_factory=set)
+    seeds: list[Value] = field(default_factory=list)   # the gradients the backward starts from (1, or fed inputs)
     training_graph: bool = False                 # the input was written by build-grad (phases in its metadata)
     plan: object = None                          # the recomputation plan the mirror pass applied
     report: dict = field(default_factory=dict)

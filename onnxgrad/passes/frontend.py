@@ -89,6 +89,9 @@ class Adopt(Pass):
         if not heads or any(h not in outputs for h in heads):
             raise UsageError(f"the training graph's {LOSS_KEY} metadata does not name its loss outputs")
         build.heads = [outputs[h] for h in heads]
+        # the seeds: a fed `<loss>_grad` input, or the constant 1 the gradient pass wrote as "seed/..."
+        build.seeds = [v for v in graph.inputs if v.name in {h + GRAD_SUFFIX for h in heads}]
+        build.seeds += [o for n in graph.nodes if n.phase != FORWARD and n.name.startswith("seed/") for o in n.outputs]
         names = [v.name[:-len(GRAD_SUFFIX)] for v in graph.outputs if v.name.endswith(GRAD_SUFFIX)]
         if OPTIMIZER_KEY in graph.metadata:  # a step graph: its gradients are not outputs
             names = json.loads(graph.metadata[OPTIMIZER_KEY]).get("parameters", [])

@@ -36,6 +36,7 @@ class Gradient(Pass):
             names.reserve(name)
 
         head_grads = [seed_gradient(graph, h, names, o.feed_head_grads) for h in heads]
+        build.seeds = head_grads
         result = differentiate(graph, heads, head_grads, xs + us, names, build.reaches_loss)
         for x in xs:
             if result.grads[x.name] is None:

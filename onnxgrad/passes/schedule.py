@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 
 from ..builder import Builder
-from ..contract import BACKWARD, FORWARD, GRAD_SUFFIX, LOSS_KEY, RECOMPUTE, RUNTIME_HINTS
+from ..contract import BACKWARD, FORWARD, LOSS_KEY, RECOMPUTE, RUNTIME_HINTS
 from ..ir import Graph, Node, Value
 from ..pipeline import Build, Pass
 
@@ -30,7 +30,7 @@ class Schedule(Pass):
         graph = build.graph
         if not is_topological(graph):
             graph.reorder(stable_topological_order(graph.nodes))
-        build.report["anchored_nodes"] = anchor_to_gradient(graph, build.heads, build.new_names())
+        build.report["anchored_nodes"] = anchor_to_gradient(graph, build.seeds, build.new_names())
         graph.metadata.update(RUNTIME_HINTS)
         graph.metadata[LOSS_KEY] = ",".join(h.name for h in build.heads)
 
@@ -71,14 +71,14 @@ def stable_topological_order(nodes: list[Node]) -> list[Node]:
     return order
 
 
-def anchor_to_gradient(graph: Graph, heads: list[Value], names) -> int:
+def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
     """Make every backward or recomputed node that reads a forward value but nothing that depends on the loss
     wait for the gradient computed just before it in the file: one of its forward inputs is read through a
     Reshape to its own shape plus 0, the 0 being the ArgMax of one element of that gradient. Reshape shares
     its input's buffer in onnxruntime, and the one-element slice costs nothing, so the node only gains an
-    ordering edge. Returns the number of nodes so tied."""
-    loss_nodes = {id(h.producer) for h in heads if h.producer is not None}
-    dependent = {id(v) for v in graph.inputs if v.name.endswith(GRAD_SUFFIX)}
+    ordering edge. A node depends on the gradient when it reads, through any path, one of the `seeds` (the
+    constant 1 of a scalar loss, or a fed `<loss>_grad`). Returns the number of nodes so tied."""
+    dependent = {id(v) for v in seeds}
     order: list[Node] = []
     zero_of: dict[int, Value] = {}  # id(gradient value) -> its one-element ArgMax (an int64 [1] holding 0)
     source: Value | None = None
@@ -98,7 +98,7 @@ def anchor_to_gradient(graph: Graph, heads: list[Value], names) -> int:
                 order.extend(op.emitted)
                 tied += 1
         order.append(node)
-        if id(node) in loss_nodes or any(id(v) in dependent for v in node.all_inputs if v is not None):
+        if any(id(v) in dependent for v in node.all_inputs if v is not None):
             for o in node.outputs:
                 dependent.add(id(o))
                 if node.phase == BACKWARD and o.name and o.is_float and o.shape is not None:
