@@ -43,6 +43,8 @@ INTRINSIC = {
     "SoftmaxCrossEntropyLoss": {"Exp", "Softmax"},
     "Softplus": {"Sigmoid"}, "Softsign": {"Abs", "Add"},
     "TopK": {"ConstantOfShape"},               # zeros to scatter the gradient into
+    "Attention": {"Reshape"},                  # 3-D K and V split into heads (a view, no copy)
+    "Swish": {"Mul", "Sigmoid"},               # sigmoid(alpha * x) is a function of x alone, as in Softplus
 }
 
 
