@@ -243,11 +243,14 @@ def test_fast_solver_within_5_percent_of_the_milp(kind, size, seed):
 
 def test_milp_reports_a_time_limited_search():
     problem = chain(14)
-    solution = solve_milp(problem, 6, time_limit=2)
-    if solution is not None:
-        assert solution.peak <= 6
-        assert solution.status == "optimal" or solution.status.startswith("time limit")
-        assert solution.gap is not None
+    try:
+        solution = solve_milp(problem, 6, time_limit=2)
+    except TimeoutError as e:
+        assert "no schedule found in 2 s" in str(e)
+        return
+    assert solution.peak <= 6
+    assert solution.status == "optimal" or solution.status.startswith("time limit")
+    assert solution.gap is not None
 
 
 def test_milp_solution_fields():

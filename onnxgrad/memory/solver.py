@@ -297,8 +297,9 @@ def solve_milp(problem: Problem, budget: int, time_limit: float = 60.0, mip_rel_
     The program's memory never falls below the simulator's: a held output stays counted until the program
     frees it, and it may free an output only after its last reader in the stage when it is not held into the
     next stage, which is exactly when the simulator frees it (the simulator may free earlier, never later). The
-    returned schedule is simulated and checked against the budget. Returns None when the program is infeasible
-    or no schedule was found in `time_limit` seconds; `status` and `gap` report a time-limited search."""
+    returned schedule is simulated and checked against the budget. Returns None when the program is infeasible;
+    raises TimeoutError when no schedule was found in `time_limit` seconds; `status` and `gap` report a search
+    that found one but could not prove it optimal in time."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
 
@@ -423,6 +424,8 @@ def solve_milp(problem: Problem, budget: int, time_limit: float = 60.0, mip_rel_
                       options={"time_limit": max(1.0, time_limit - (time.perf_counter() - started)),
                                "mip_rel_gap": mip_rel_gap, "disp": False})
         if result.x is None:
+            if result.status == 1:
+                raise TimeoutError(f"milp: no schedule found in {time_limit:g} s ({result.message})")
             return None
         x = result.x
         schedule = [i for t in range(n) for i in sorted(R[t]) if x[R[t][i]] > 0.5]
