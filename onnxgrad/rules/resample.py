@@ -220,7 +220,9 @@ def depth_to_space(ctx):
     return [ctx.reshape_like(g, x)]
 
 
-@rule("SpaceToDepth", since=13)
+@rule("SpaceToDepth", since=13, limits="mode CRD (opset 28)")
 def space_to_depth(ctx):
     """dx = DepthToSpace(dy, mode=DCR), its inverse"""
+    if _text(ctx, "mode", "DCR") != "DCR":
+        raise ctx.unsupported("mode CRD (its inverse has no checked rule here)")
     return [ctx.op.DepthToSpace(ctx.GO(0), blocksize=ctx.attr("blocksize"), mode="DCR")]
