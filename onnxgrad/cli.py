@@ -2,7 +2,7 @@
 
 Exit codes: 0 success, 2 usage (bad flags, names that do not exist, paths refused), 3 invalid model,
 4 unsupported (an op or form with no gradient rule), 5 output cannot be written, 6 `check` found a gradient off,
-70 internal error.
+7 a data-parallel peer failed or timed out (`train` under torchrun), 70 internal error.
 
 Every --report FILE.json has the keys `report_version`, `command` and `onnxgrad_version`, then the command's own
 keys (README, "Reports"); it is written only when the command finishes its work (for `check`, also when a
