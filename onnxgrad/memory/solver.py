@@ -24,7 +24,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..errors import InternalError
+from ..errors import InternalError, UsageError
 
 # ---------------------------------------------------------------------------------------------------------------
 # The problem and its simulator
@@ -286,6 +286,11 @@ def make_solution(problem: Problem, schedule: list[int], solver: str, gap: float
 # The exact solver (Checkmate)
 
 
+class SolverTimeout(UsageError, TimeoutError):
+    """The MILP found no schedule within its time limit (which says nothing about feasibility)."""
+
+
+
 def solve_milp(problem: Problem, budget: int, time_limit: float = 60.0, mip_rel_gap: float = 1e-6
                ) -> Solution | None:
     """The cheapest staged schedule whose peak fits `budget`, by Checkmate's mixed-integer program.
@@ -298,8 +303,8 @@ def solve_milp(problem: Problem, budget: int, time_limit: float = 60.0, mip_rel_
     frees it, and it may free an output only after its last reader in the stage when it is not held into the
     next stage, which is exactly when the simulator frees it (the simulator may free earlier, never later). The
     returned schedule is simulated and checked against the budget. Returns None when the program is infeasible;
-    raises TimeoutError when no schedule was found in `time_limit` seconds; `status` and `gap` report a search
-    that found one but could not prove it optimal in time."""
+    raises SolverTimeout (a UsageError and a TimeoutError) when no schedule was found in `time_limit` seconds;
+    `status` and `gap` report a search that found one but could not prove it optimal in time."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_array
 
@@ -425,7 +430,8 @@ def solve_milp(problem: Problem, budget: int, time_limit: float = 60.0, mip_rel_
                                "mip_rel_gap": mip_rel_gap, "disp": False})
         if result.x is None:
             if result.status == 1:
-                raise TimeoutError(f"milp: no schedule found in {time_limit:g} s ({result.message})")
+                raise SolverTimeout(f"--solver milp: no schedule found in {time_limit:g} s, the time limit "
+                                    f"(HiGHS: {result.message})")
             return None
         x = result.x
         schedule = [i for t in range(n) for i in sorted(R[t]) if x[R[t][i]] > 0.5]
