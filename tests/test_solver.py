@@ -90,7 +90,7 @@ def test_simulate_matches_the_definition(seed, forward, extra):
     for _ in range(extra if movable else 0):
         # recompute an op and whatever it needs right before a random later position
         op = rng.choice(movable)
-        at = rng.randrange(op + 1, len(schedule) + 1)
+        at = rng.randrange(schedule.index(op) + 1, len(schedule) + 1)
         needed = sorted(_ancestors(problem, op) & set(movable)) + [op]
         schedule = schedule[:at] + needed + schedule[at:]
     validate(problem, schedule)

@@ -659,6 +659,7 @@ def _structured(problem: Problem, pool: _Pool) -> None:
     """Evaluate segmented schemes over a geometric range of segment lengths: one level (Chen's), then two
     (outer checkpoints held, inner ones reused, the rest dropped), inner segments short enough that their
     repeated recomputation stays within a few forward passes."""
+    pool.evaluate(plan_of_classes(problem, [REUSE] * problem.n))
     count = len(_cuts(problem)[0])
     if count == 0:
         return
@@ -670,7 +671,6 @@ def _structured(problem: Problem, pool: _Pool) -> None:
     for held_tail in (0.0, 0.5):
         for outer in by_distance:
             pool.evaluate(_segment_plan(problem, outer, None, held_tail))
-    pool.evaluate(plan_of_classes(problem, [REUSE] * problem.n))
     for outer in by_distance:
         for inner in sorted({max(2, round(outer ** f)) for f in (0.34, 0.5, 0.67)}):
             if inner < outer and inner <= 32:
