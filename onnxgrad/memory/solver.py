@@ -12,6 +12,7 @@ Solvers:
   and may recompute earlier ops first. An optimality oracle for small problems.
 - `solve`: the fast default. It builds a Pareto front of (peak, cost) schedules that does not depend on the
   budget, then takes the cheapest schedule under the budget, so its cost never rises when the budget grows.
+  `pareto` returns that front (a sweep's table), `least_peak` its least peak within an extra cost (`auto`).
 - `floor`: a peak no schedule can go below; a budget under it is infeasible for a reason that can be printed.
 """
 from __future__ import annotations
