@@ -1,14 +1,17 @@
 """Gradient rules: convolution and pooling.
 
-Conv's input gradient is a ConvTranspose of dy with the same weights; its weight gradient is a Conv in which x
-and dy trade roles (batch and channel axes exchanged, stride and dilation exchanged). Pool gradients send dy back
-to the window elements: MaxPool through its argmax indices, AveragePool through a ones-kernel ConvTranspose.
-Both need the spatial sizes at build time, to choose the pads and output_padding that make the transposed
-placement land exactly on x, and to count the elements of each averaging window.
+Conv's input gradient is a ConvTranspose of dy with the same weights. Its weight gradient is, from 16 input
+channels per group, one GEMM per kernel offset (x split once into its stride phases, dy shifted per offset);
+with one channel per group and stride 1 (depthwise), a product summed per offset; otherwise a Conv in which x and
+dy trade roles (batch and channel axes exchanged, stride and dilation exchanged). Pool gradients send dy back to
+the window elements: MaxPool through its argmax indices, AveragePool through a ones-kernel ConvTranspose. Both
+need the spatial sizes at build time, to choose the pads and output_padding that make the transposed placement
+land exactly on x, and to count the elements of each averaging window. Every ConvTranspose written here has
+equal begin and end pads: onnxruntime's CUDA provider (cuDNN) refuses others and leaves them to the CPU.
 
 Forward-only nodes here: the transposed copy of x for Conv's weight gradient (the contraction runs over the
-batch, which a Conv can only do over its channel axis), MaxPool's recomputed indices (int64, one per output
-element) and the zeros they are scattered into, and the masks and counts of GlobalMaxPool.
+batch; split into stride phases, which partition it, for the GEMM form), MaxPool's recomputed indices (int64,
+one per output element) and the zeros they are scattered into, and the masks and counts of GlobalMaxPool.
 """
 from __future__ import annotations
 
