@@ -94,7 +94,7 @@ def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims,
         "forward_nodes": build.report["forward_nodes"],
         "backward_nodes": build.report["backward_nodes"],
         "rules_used": build.report["rules_used"],
-        **({"mirror": build.report["mirror"]} if "mirror" in build.report else {}),
+        **{k: build.report[k] for k in ("mirror", "sweep") if k in build.report},
         "passes": build.report["passes"],
         "seconds": round(time.perf_counter() - started, 4),
     }

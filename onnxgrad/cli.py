@@ -242,6 +242,9 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
     if report and os.path.abspath(report) == os.path.abspath(output):
         raise UsageError(f"--report {report}: is the output model; choose another path")
     report_path = check_output_path(report, [model, output], force) if report else None
+    sweep_path = (mirror_extra or {}).get("sweep")
+    if sweep_path:
+        sweep_path = check_output_path(sweep_path, [model, output, *([report] if report else [])])
     if (save or recompute) and mirror is None:
         raise UsageError(f"{'--save' if save else '--recompute'}: needs --mirror (or the mirror command)")
     result = build(model, loss=loss, requires_grad=_names(requires_grad) or None, frozen=_names(frozen),
@@ -263,6 +266,10 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
         write_model()
     log.info("%s: loss %s, %d parameters, %d forward + %d backward nodes, %.2f s", out, r["loss"],
              len(r["parameters"]), r["forward_nodes"], r["backward_nodes"], r["seconds"])
+    if log.isEnabledFor(logging.DEBUG):
+        from .cuda import cuda_fallbacks
+        for line in cuda_fallbacks(result.model):
+            log.debug("not on the CUDA provider: %s", line)
     if "mirror" in r:
         m = r["mirror"]
         p = m["predicted"]
@@ -275,7 +282,10 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
                      _mib(m["floor_bytes"]), m["extra_forward_passes"], m["solver"],
                      "" if m.get("gap") is None else f", gap {m['gap']:.2%}")
     if "sweep" in r:
+        from .memory.sweep import chart
+        chart(r["sweep"]["rows"], sweep_path, f"{os.path.basename(model)}: peak memory against recomputation")
         click.echo(r["sweep"]["table"])
+        click.echo(str(sweep_path))
     click.echo(str(out))
 
 

@@ -65,7 +65,11 @@ class BudgetProblem:
     def __init__(self, graph: Graph, nbytes: dict[int, int], costs: CostModel, save: set[str] = frozenset(),
                  recompute: set[str] = frozenset()):
         self.graph = graph
-        self.nodes: list[Node] = list(graph.nodes)
+        # Constant nodes (shapes, axes, scalars) are counted as static and placed before their first reader:
+        # they are small, and leaving them out keeps the problem the size of the real computation
+        self.constants = [n for n in graph.nodes if not n.all_inputs and n.op_type == "Constant"]
+        constant_ids = {id(n) for n in self.constants}
+        self.nodes: list[Node] = [n for n in graph.nodes if id(n) not in constant_ids]
         index = {id(n): k for k, n in enumerate(self.nodes)}
         outputs = {id(v) for v in graph.outputs}
         read_by_name = {id(v) for n in graph.nodes for v in n.implicit_inputs}
@@ -75,7 +79,7 @@ class BudgetProblem:
             size.append(sum(nbytes[id(v)] for v in n.outputs if v.name))
             cost.append(costs.cost(n))
             inputs.append(sorted({index[id(v.producer)] for v in n.all_inputs
-                                  if v is not None and v.producer is not None}))
+                                  if v is not None and v.producer is not None and id(v.producer) in index}))
             if any(id(v) in outputs for v in n.outputs):
                 keep.add(k)
             ok, why = self._may_recompute(n, outputs, read_by_name, save, recompute)
@@ -84,6 +88,7 @@ class BudgetProblem:
                 self.reasons[n.name] = why
         statics = {id(v) for v in graph.inputs} | {id(graph.values[t]) for t in graph.initializers
                                                    if t in graph.values}
+        statics |= {id(v) for n in self.constants for v in n.outputs if v.name}
         self.problem = solver.Problem(size, cost, inputs, recomputable, keep, sum(nbytes[i] for i in statics))
         self.forward_cost = sum(c for c, n in zip(cost, self.nodes) if n.phase == FORWARD)
 
@@ -104,14 +109,22 @@ class BudgetProblem:
     def plan(self, solution: solver.Solution, policy: str) -> Plan:
         """The solver's schedule as a plan: each node's first run is the node itself, later runs are copies."""
         order: list[Step] = []
+        constant_of = {id(v): n for n in self.constants for v in n.outputs}
+        placed: set[int] = set()
         seen: set[int] = set()
         for k in solution.schedule:
             n = self.nodes[k]
+            for v in n.all_inputs:  # each constant just before its first reader, as in the graph
+                c = constant_of.get(id(v)) if v is not None else None
+                if c is not None and id(c) not in placed:
+                    placed.add(id(c))
+                    order.append(c.name)
             if k in seen:
                 order.append((n.name, RECOMPUTE))
             else:
                 seen.add(k)
                 order.append(n.name)
+        order += [c.name for c in self.constants if id(c) not in placed]
         reasons = {}
         read_by_backward = {id(v) for n in self.nodes if n.phase == BACKWARD for v in n.all_inputs}
         for k, n in enumerate(self.nodes):

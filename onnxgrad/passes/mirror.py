@@ -8,13 +8,12 @@ and puts it in the report with a reason per forward node.
 from __future__ import annotations
 
 import json
-import math
 import time
 
 from ..contract import FORWARD, MIRROR_KEY
 from ..errors import UsageError
 from ..memory import plan as plans
-from ..memory import solver
+from ..memory import solver, sweep
 from ..memory.budget import BudgetProblem, parse_budget
 from ..memory.cost import CostModel
 from ..memory.mxnet import MirrorFunction, mxnet_plan
@@ -47,6 +46,8 @@ class Mirror(Pass):
         before = simulate(graph, nbytes=nbytes)
         save = set(o.mirror_options.get("save", ()))
         recompute = set(o.mirror_options.get("recompute", ()))
+        if o.mirror_options.get("sweep"):
+            build.report["sweep"] = sweep_rows(build, nbytes, save)
         if o.mirror == "mxnet":
             plan = mxnet_plan(graph, nbytes, MirrorFunction(graph, save, recompute))
             plans.apply(graph, plan, build.new_names())
@@ -88,52 +89,106 @@ def budget_plan(build: Build, nbytes: dict[int, int], unmirrored_peak: int, save
     time_limit = float(opts.get("time_limit", 60.0))
     started = time.perf_counter()
     wanted = target
+    solution = plan = None
+    found: dict = {}
+    if target is not None:
+        # the problem counts the small Constant nodes as alive throughout; the graph frees them: start from a
+        # budget raised by that difference, and let the check below lower it should a plan then not fit
+        target += max(0, solver.simulate(problem, problem.baseline).peak - unmirrored_peak)
     for _ in range(4):  # the graph's own peak is checked; a miss tightens the problem's budget by the excess
-        solution = _solve(bp, which, target, time_limit)
+        solution = _solve(bp, which, target, time_limit, opts.get("work", solver.DEFAULT_WORK), found)
         if solution is None:
-            raise UsageError(_no_schedule(budget, target, least, which))
+            break
         plan = bp.plan(solution, "budget" if which == "fast" else "budget-milp")
         peak = peak_of_plan(graph, plan.order, nbytes)
         if wanted is None or peak <= wanted:
             break
         target -= peak - wanted
+        solution = plan = None
+    # MXNet's plan is one more candidate: on element-wise tails between heavy ops it is often the cheapest
+    mxnet = mxnet_plan(graph, nbytes, MirrorFunction(graph, save))
+    index = {n.name: k for k, n in enumerate(bp.nodes)}
+    mxnet_extra = sum(problem.cost[index[s[0]]] for s in mxnet.order if isinstance(s, tuple) and s[0] in index)
+    mxnet_peak = peak_of_plan(graph, mxnet.order, nbytes)
+    if wanted is None:
+        fits = mxnet_extra <= bp.forward_cost and (solution is None or mxnet_peak < peak_of_plan(graph, plan.order,
+                                                                                                 nbytes))
     else:
-        raise UsageError(_no_schedule(budget, wanted, least, which))
+        fits = mxnet_peak <= wanted and (solution is None or mxnet_extra < solution.extra_cost)
+    if fits:
+        recomputed = {index[s[0]]: 1 for s in mxnet.order if isinstance(s, tuple)}
+        steps = [s[0] if isinstance(s, tuple) else s for s in mxnet.order]
+        solution = solver.Solution([index[s] for s in steps if s in index],
+                                   mxnet_peak, problem.baseline_cost + mxnet_extra, mxnet_extra, recomputed,
+                                   "mxnet (the cheapest plan that fits)")
+        plan = plans.Plan("budget", mxnet.order, mxnet.reasons)
+    if solution is None:
+        raise UsageError(_no_schedule(budget, wanted, least, which, found))
     plans.apply(graph, plan, build.new_names())
     seconds = time.perf_counter() - started
     recomputed_flops = sum(costs.flops(bp.nodes[k]) * runs for k, runs in solution.recomputed.items())
     forward_flops = sum(costs.flops(n) for n in bp.nodes if n.phase == FORWARD)
     plan.extra = {"budget": budget.text, "budget_bytes": wanted, "floor_bytes": least, "solver": solution.solver,
                   "gap": solution.gap, "status": solution.status, "solve_seconds": round(seconds, 3),
+                  "least_peak_found_bytes": found.get("least"), "problem_ops": problem.n,
                   "extra_cost": solution.extra_cost, "forward_cost": bp.forward_cost,
                   "extra_forward_passes": solution.extra_cost / bp.forward_cost if bp.forward_cost else 0.0,
                   "extra_flops": recomputed_flops, "forward_flops": forward_flops}
     return plan
 
 
-def _solve(bp: BudgetProblem, which: str, target: int | None, time_limit: float) -> solver.Solution | None:
+def sweep_rows(build: Build, nbytes: dict[int, int], save: set[str]) -> dict:
+    """The Pareto sweep of `mirror --sweep`, on the graph before any plan is applied."""
+    import click
+    graph, o = build.graph, build.options
+    bp = BudgetProblem(graph, nbytes, o.mirror_options.get("cost_model") or CostModel(symbols=dict(o.dims)), save)
+    mxnet_order = mxnet_plan(graph, nbytes, MirrorFunction(graph, save)).order
+
+    def progress(items):
+        with click.progressbar(items, label="sweep", file=click.get_text_stream("stderr")) as bar:
+            yield from bar
+    rows = sweep.sweep(bp, nbytes, mxnet_order, progress, o.mirror_options.get("work", solver.DEFAULT_WORK))
+    return {"rows": rows, "table": sweep.table(rows)}
+
+
+def _solve(bp: BudgetProblem, which: str, target: int | None, time_limit: float, work: int, found: dict
+           ) -> solver.Solution | None:
+    """The cheapest schedule under `target` (None: auto); `found["least"]` gets the least peak the fast solver
+    reached, for the error when nothing fits."""
     problem = bp.problem
-    if target is None:  # auto: the least peak at most one extra forward pass buys
-        front = solver.pareto(problem)
-        affordable = [s for s in front if s.extra_cost <= bp.forward_cost * (1 + 1e-9)]
-        best = min(affordable, key=lambda s: (s.peak, s.cost)) if affordable else None
-        if best is not None and which == "milp":
-            return solver.solve_milp(problem, best.peak, time_limit) or best
-        return best
-    if which == "milp":
+    if which == "milp" and target is not None:
         return solver.solve_milp(problem, target, time_limit)
-    return solver.solve(problem, target)
+    front = solver.pareto(problem, work)
+    found["least"] = min((s.peak for s in front), default=None)
+    if target is not None:
+        return solver.best_under(front, target)
+    # auto: the least peak at most one extra forward pass buys
+    affordable = [s for s in front if s.extra_cost <= bp.forward_cost * (1 + 1e-9)]
+    best = min(affordable, key=lambda s: (s.peak, s.cost)) if affordable else None
+    if best is not None and which == "milp":
+        try:
+            return solver.solve_milp(problem, best.peak, time_limit) or best
+        except solver.SolverTimeout:  # the fast solver's schedule stands
+            return best
+    return best
 
 
-def _no_schedule(budget, target, least, which) -> str:
+def _no_schedule(budget, target, floor, which, found: dict) -> str:
     if target is None:
         return "--budget auto: no schedule found"
-    return (f"--budget {budget.text}: no schedule under {_mib(target)} found by the {which} solver (the least "
-            f"possible peak is {_mib(least)}; try a larger budget" + (" or --solver milp)" if which == "fast" else ")"))
+    least = found.get("least")
+    reached = f"the least peak it reaches is {_mib(least)}, " if least is not None else ""
+    return (f"--budget {budget.text}: the {which} solver finds no schedule under {_mib(target)} ({reached}and no "
+            f"schedule can go below {_mib(floor)}; give a larger budget"
+            + (" or try --solver milp)" if which == "fast" else ")"))
 
 
 def _mib(n: int | float) -> str:
-    return f"{n / 2**20:.1f} MiB" if math.isfinite(n) else str(n)
+    """Bytes for a message: KiB below a MiB, else MiB, else GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def name_every_node(graph, names) -> None:

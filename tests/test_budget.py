@@ -1,0 +1,141 @@
+"""`mirror --budget`: the written graph's peak fits every budget from the floor up, the recomputation never grows
+with the budget, gradients stay the same, the floor is an error that says itself, and onnxruntime's measured
+peak keeps to the budget."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+import onnxgrad
+from onnxgrad.cli import main
+from onnxgrad.errors import UsageError
+from onnxgrad.memory.budget import parse_budget
+from onnxgrad.memory.measure import measure
+from onnxgrad.memory.simulate import load, simulate
+from test_mirror import assert_same_outputs, mlp_tail
+
+WORK = 150_000  # the fast solver's effort: enough for these graphs, and seconds per solve
+
+
+def budgeted(model, budget, **kw):
+    return onnxgrad.build(model, loss_fn="mse", mirror="budget",
+                          mirror_options={"budget": budget, "work": WORK, **kw.pop("options", {})}, **kw)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("16GiB", 16 * 2**30), ("1500MB", 1_500_000_000), ("2e9", 2_000_000_000), ("4096", 4096), ("3 kib", 3072),
+])
+def test_budgets_in_bytes(text, expected):
+    assert parse_budget(text).bytes == expected
+
+
+def test_budgets_as_fraction_or_auto_and_bad_ones():
+    assert parse_budget("0.4x").fraction == 0.4 and parse_budget("auto").auto
+    for bad in ("lots", "1.5x", "-3GB", "0x"):
+        with pytest.raises(UsageError, match="--budget"):
+            parse_budget(bad)
+
+
+@pytest.fixture(scope="module")
+def tail_model():
+    return mlp_tail(layers=4, width=32, batch=64)
+
+
+@pytest.fixture(scope="module")
+def ladder(tail_model):
+    """Budgets from the least peak the solver reaches to the unmirrored peak, each with the built graph."""
+    first = budgeted(tail_model, "auto").report["mirror"]
+    floor, top = first["least_peak_found_bytes"], first["predicted"]["unmirrored_peak_bytes"]
+    assert first["floor_bytes"] <= floor < top
+    budgets = sorted({int(floor + (top - floor) * f) for f in (0.0, 0.2, 0.45, 0.7, 1.0)})
+    return [(b, budgeted(tail_model, str(b))) for b in budgets]
+
+
+def test_every_budget_from_the_floor_up_is_met_by_the_written_graph(ladder):
+    for budget, result in ladder:
+        written = simulate(load(result.model)).peak
+        assert written <= budget, (budget, written)
+        assert result.report["mirror"]["predicted"]["peak_bytes"] == written
+
+
+def test_recomputation_never_grows_with_the_budget(ladder):
+    costs = [r.report["mirror"]["extra_cost"] for _, r in ladder]
+    assert all(a >= b - 1e-9 for a, b in zip(costs, costs[1:])), costs
+    assert costs[-1] == 0 and costs[0] > 0
+
+
+def test_gradients_are_unchanged_under_a_budget(tail_model, ladder):
+    plain = onnxgrad.build(tail_model, loss_fn="mse")
+    for _, result in ladder[:2]:
+        assert_same_outputs(plain.model, result.model)
+
+
+def test_a_budget_below_the_floor_says_the_floor(tail_model, ladder):
+    with pytest.raises(UsageError, match=r"--budget 1kB: 1\.0 KiB is below the least peak any schedule can "
+                                         r"reach, \d+\.\d KiB \(\d+\.\d KiB of weights and inputs"):
+        budgeted(tail_model, "1kB")
+    # between the floor (a bound) and what the solver reaches: both figures in the message
+    floor = ladder[0][1].report["mirror"]["floor_bytes"]
+    with pytest.raises(UsageError, match=r"finds no schedule under .*the least peak it reaches is .*no schedule "
+                                         r"can go below"):
+        budgeted(tail_model, str(floor))
+
+
+def test_auto_is_the_least_peak_within_one_extra_forward_pass(tail_model, ladder):
+    auto = budgeted(tail_model, "auto").report["mirror"]
+    assert auto["extra_forward_passes"] <= 1.0 + 1e-9
+    assert auto["predicted"]["peak_bytes"] < auto["predicted"]["unmirrored_peak_bytes"]
+
+
+def test_the_exact_solver_is_an_oracle_for_the_fast_one():
+    """A graph of under 60 nodes: the MILP's recomputation is at most the fast solver's, and within 5%."""
+    small = mlp_tail(layers=2, width=16, batch=32)
+    auto = budgeted(small, "auto")
+    m = auto.report["mirror"]
+    assert m["problem_ops"] <= 60
+    budget = str((m["least_peak_found_bytes"] + m["predicted"]["unmirrored_peak_bytes"]) // 2)
+    fast = budgeted(small, budget).report["mirror"]
+    exact = budgeted(small, budget, options={"solver": "milp", "time_limit": 120}).report["mirror"]
+    assert exact["predicted"]["peak_bytes"] <= exact["budget_bytes"]
+    assert exact["extra_cost"] <= fast["extra_cost"] + 1e-6
+    assert fast["extra_cost"] <= exact["extra_cost"] * 1.05 + 1e-6, (fast["extra_cost"], exact["extra_cost"])
+
+
+def test_onnxruntime_keeps_to_the_budget(tmp_path):
+    """Activations of 1 MiB: the measured peak of one step stays within 5% of the budget."""
+    model = mlp_tail(layers=4, width=256, batch=1024)
+    result = onnxgrad.build(model, loss_fn="mse", optimizer="sgd", mirror="budget",
+                            mirror_options={"budget": "0.5x", "work": WORK})
+    path = tmp_path / "step.onnx"
+    onnx.save(result.model, path)
+    m = result.report["mirror"]
+    graph = load(result.model)
+    static = simulate(graph).static
+    measured = measure(path, level="BASIC")["peak_bytes"] + static
+    assert measured <= m["budget_bytes"] * 1.05, (measured, m["budget_bytes"])
+
+
+def test_command_line_budget_report_and_sweep(tmp_path, capsys):
+    model, out, report, png = tmp_path / "m.onnx", tmp_path / "o.onnx", tmp_path / "r.json", tmp_path / "s.png"
+    onnx.save(mlp_tail(layers=3, width=32, batch=64), model)
+    from onnxgrad.passes import mirror as mirror_pass
+    args = ["mirror", str(model), "-o", str(out), "--loss-fn", "mse", "--budget", "0.6x", "--report", str(report),
+            "--sweep", str(png)]
+    original = mirror_pass.solver.DEFAULT_WORK
+    try:
+        mirror_pass.solver.DEFAULT_WORK = WORK
+        assert main(args) == 0
+    finally:
+        mirror_pass.solver.DEFAULT_WORK = original
+    table = capsys.readouterr().out
+    for what in ("store-all", "mxnet", "chen", "front"):
+        assert f"| {what} |" in table
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    r = json.loads(report.read_text())["mirror"]
+    assert r["predicted"]["peak_bytes"] <= r["budget_bytes"] and r["floor_bytes"] <= r["budget_bytes"]
+    assert set(r["reasons"]) >= {"gemm0", "silu0"} and r["solver"]
+    assert main(["mirror", str(model), "-o", str(out), "--loss-fn", "mse", "--budget", "1B"]) == 2
+    assert "below the least peak any schedule can reach" in capsys.readouterr().err
