@@ -62,6 +62,25 @@ def constant(v: Value | None) -> np.ndarray | None:
     return None
 
 
+def shape_value(v: Value | None) -> tuple[Dim, ...] | None:
+    """The value of a 1-D int64 shape tensor, symbols included, when it is a constant, a Shape, or a Concat of
+    those (how rules build the shape of zeros to scatter into); else None."""
+    c = constant(v)
+    if c is not None:
+        return tuple(int(d) for d in c.ravel())
+    p = v.producer if v is not None else None
+    if p is None:
+        return None
+    if p.op_type == "Shape" and p.inputs[0].shape is not None:
+        rank = len(p.inputs[0].shape)
+        return tuple(p.inputs[0].shape[slice(p.attr("start", 0), p.attr("end", rank))])
+    if p.op_type == "Concat":
+        parts = [shape_value(x) for x in p.inputs]
+        if all(part is not None for part in parts):
+            return tuple(d for part in parts for d in part)
+    return None
+
+
 def infer(node: Node, opset: int) -> None:
     """Type the outputs of `node` where its op and inputs allow; leave the rest as they are."""
     if node.domain not in ("", "ai.onnx") or any(v.elem_type for v in node.outputs):
@@ -100,12 +119,9 @@ def _infer(node: Node, opset: int) -> tuple[int, tuple[Dim, ...] | None] | None:
     if op == "ConstantOfShape":
         value = node.attr("value")
         elem = value.data_type if value is not None else TensorProto.FLOAT
-        dims = constant(first)
+        dims = shape_value(first)
         if dims is not None:
-            return elem, tuple(int(d) for d in dims)
-        source = first.producer
-        if source is not None and source.op_type == "Shape" and not source.attributes:
-            return elem, source.inputs[0].shape  # zeros like a value: its shape, symbols and all
+            return elem, dims
         return elem, (None,) * first.shape[0] if first.shape and isinstance(first.shape[0], int) else None
     if op in REDUCE and first is not None and first.elem_type:
         return first.elem_type, _reduced(node, opset)

@@ -63,7 +63,8 @@ def sizes(graph: Graph, dims: dict[str, int] | None = None) -> dict[int, int]:
             out[id(v)] = b
     if unknown:
         v = unknown[0]
-        symbols = sorted({d for u in unknown if u.shape for d in u.shape if isinstance(d, str) and d not in dims})
+        symbols = sorted({d for u in unknown if u.shape for d in u.shape
+                          if isinstance(d, str) and d not in dims and not d.startswith("unk__")})
         hint = (f"bind {', '.join(symbols)} with --dim" if symbols
                 else "its shape is not known after shape inference")
         raise UsageError(f"the size of {v.name!r} is unknown ({len(unknown)} values like it): {hint}")

@@ -8,6 +8,7 @@ and puts it in the report with a reason per forward node.
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 from ..contract import FORWARD, MIRROR_KEY
@@ -145,7 +146,7 @@ def sweep_rows(build: Build, nbytes: dict[int, int], save: set[str]) -> dict:
     mxnet_order = mxnet_plan(graph, nbytes, MirrorFunction(graph, save)).order
 
     def progress(items):
-        with click.progressbar(items, label="sweep", file=click.get_text_stream("stderr")) as bar:
+        with click.progressbar(items, label="sweep", file=sys.stderr) as bar:
             yield from bar
     rows = sweep.sweep(bp, nbytes, mxnet_order, progress, o.mirror_options.get("work", solver.DEFAULT_WORK))
     return {"rows": rows, "table": sweep.table(rows)}
