@@ -11,8 +11,7 @@ so `--run` can execute the 1k training graph in onnxruntime and find finite numb
 
 The table gives best-of-`repeat` wall-clock and CPU seconds (one run from 100k nodes on) and CPU microseconds
 per forward node (CPU time, because wall time on a shared 2-core machine swings with other load). The phase
-table times each step of `onnxgrad.api.build` by wrapping the functions it calls (nothing in onnxgrad is
-changed), so the phases add up to the total less a small remainder.
+table gives the seconds of each pass of the pipeline, from the build's own report.
 """
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ import os
 import platform
 import sys
 import time
-from contextlib import contextmanager
 
 import numpy as np
 import onnx
@@ -30,7 +28,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad import api, ir, loader, registry
+from onnxgrad import registry
 
 ROWS, COLS = 4, 8
 PARAM_SHAPES = [(COLS,), (ROWS, 1), (1, COLS), ()]
@@ -156,49 +154,6 @@ def synthetic_model(n_nodes: int, seed: int = 0) -> onnx.ModelProto:
 
 # -- timing -------------------------------------------------------------------------------------------------
 
-class PhaseTimer:
-    """Wraps the functions `api.build` calls, adding the seconds spent in each to a named phase."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self._saved: list[tuple[object, str, object]] = []
-
-    def wrap(self, owner, attr: str, phase) -> None:
-        fn = getattr(owner, attr)
-        timer = self
-
-        def timed(*args, **kwargs):
-            name = phase(*args, **kwargs) if callable(phase) else phase
-            t = time.process_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                timer.seconds[name] = timer.seconds.get(name, 0.0) + time.process_time() - t
-        self._saved.append((owner, attr, fn))
-        setattr(owner, attr, timed)
-
-    @contextmanager
-    def installed(self):
-        self.wrap(loader, "read_model", "read (copy the proto)")
-        self.wrap(onnx.checker, "check_model",
-                  lambda *a, **k: "checker, output (full_check)" if k.get("full_check") else "checker, input")
-        self.wrap(loader, "upgrade_opset", "upgrade opset")
-        self.wrap(loader, "bind_shapes", "bind shapes")
-        self.wrap(loader, "infer_shapes", "shape inference")
-        self.wrap(api, "from_model", "proto -> Graph")
-        self.wrap(api, "reaching", "values the loss depends on")
-        self.wrap(api, "select_parameters", "select parameters")
-        self.wrap(api, "differentiate", "gradient pass")
-        self.wrap(api, "finalize_outputs", "finalize outputs")
-        self.wrap(ir.Graph, "to_model", "Graph -> proto")
-        try:
-            yield self
-        finally:
-            for owner, attr, fn in reversed(self._saved):
-                setattr(owner, attr, fn)
-            self._saved.clear()
-
-
 def _collect() -> None:
     """Free the previous build's graph before timing the next, as a fresh `onnxgrad` process would start.
 
@@ -282,18 +237,15 @@ def main(argv=None) -> None:
     if not args.no_phases:
         per_size = {}
         for n in sizes:
-            timer = PhaseTimer()
             _collect()
-            with timer.installed():
-                t = time.process_time()
-                onnxgrad.build(models[n], loss="loss")
-                total = time.process_time() - t
-            per_size[n] = (timer.seconds, total)
+            t = time.perf_counter()
+            report = onnxgrad.build(models[n], loss="loss").report
+            per_size[n] = (report["passes"], time.perf_counter() - t)
         phases = list(next(iter(per_size.values()))[0])
         print()
-        print("Phases (one run each, CPU seconds; µs per forward node in brackets):")
+        print("Passes (one run each, wall seconds from the report; µs per forward node in brackets):")
         print()
-        print("| phase | " + " | ".join(f"{len(models[n].graph.node)} nodes" for n in sizes) + " |")
+        print("| pass | " + " | ".join(f"{len(models[n].graph.node)} nodes" for n in sizes) + " |")
         print("|---|" + "---:|" * len(sizes))
         for ph in phases + ["other", "total"]:
             cells = []
