@@ -103,12 +103,6 @@ class _Rewriter:
         attributes = [onnx.helper.make_attribute(k, v) for k, v in sorted(attrs.items())]
         self.graph.add_node(Node(op_type, inputs, [out], name, attributes))
 
-    def detach(self, node: Node) -> None:
-        """Drop a replaced node's uses of its inputs."""
-        for i, v in enumerate(node.all_inputs):
-            if v is not None:
-                v.uses.remove((node, i))
-
     # -- sequences --------------------------------------------------------------------------------------------
     def rewrite_sequence(self, node: Node) -> bool:
         """Track the list of tensors each sequence holds; replace the consumers whose list is known (True)."""
@@ -142,13 +136,13 @@ class _Rewriter:
             if position is None or not -len(known) <= position < len(known):
                 return False
             item = known[position]
-            self.detach(node)
+            node.detach()
             self.produce("Identity", [item], out)
             _fill_type(out, item.elem_type, item.shape)
             self.changed = True
             return True
         elif op_type == "SequenceLength" and known is not None:
-            self.detach(node)
+            node.detach()
             self.produce("Constant", [], out, value=numpy_helper.from_array(np.array(len(known), np.int64), ""))
             self.changed = True
             return True
@@ -202,7 +196,7 @@ class _Rewriter:
         rank = items[0].rank
         axis = node.attr("axis")
         new_axis = node.attr("new_axis", 0)
-        self.detach(node)
+        node.detach()
         if new_axis:  # stack: each tensor gets the new axis, then they are concatenated along it
             op = self.builder(node)
             out_rank = (rank or 0) + 1
@@ -228,15 +222,15 @@ class _Rewriter:
         outputs = {id(v) for v in self.graph.outputs}
         removable = {id(n) for n in self.emitted}
         removable |= {id(n) for n in self.graph.nodes if n.op_type in SEQUENCE_OPS}
-        kept = []
+        gone: list[Node] = []
+        gone_ids: set[int] = set()
         for node in reversed(self.graph.nodes):
-            if id(node) in removable and not any(o.uses or id(o) in outputs for o in node.outputs):
-                self.detach(node)
-                for o in node.outputs:
-                    self.graph.values.pop(o.name, None)
-                continue
-            kept.append(node)
-        self.graph.nodes = kept[::-1]
+            if id(node) in removable and not any(id(o) in outputs or any(id(u) not in gone_ids for u, _ in o.uses)
+                                                 for o in node.outputs):
+                gone.append(node)
+                gone_ids.add(id(node))
+        if gone:
+            self.graph.remove(gone)
 
     # -- Dropout ----------------------------------------------------------------------------------------------
     def add_dropout_mask(self, node: Node) -> None:
@@ -415,7 +409,7 @@ class _RecurrentUnroller:
             ys.append(steps_h)
             hs.append(h_last)
             cs.append(c_last)
-        self.rw.detach(node)
+        node.detach()
         self.emit_outputs(ys, hs, cs)
 
     def direction(self, x, w, r, b, h, c, p, backward):
