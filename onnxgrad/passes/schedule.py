@@ -86,8 +86,10 @@ def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
     for node in list(graph.nodes):
         inputs = [v for v in node.all_inputs if v is not None]
         if node.phase in (BACKWARD, RECOMPUTE) and source is not None and not any(id(v) in dependent for v in inputs):
+            # a float activation: shape tensors stay as they are (small, and onnxruntime's Reshape fusion
+            # mistypes a Reshape whose shape input is itself tied)
             i = next((i for i, v in enumerate(node.inputs) if v is not None and v.producer is not None
-                      and v.producer.phase in (FORWARD, RECOMPUTE)), None)
+                      and v.producer.phase in (FORWARD, RECOMPUTE) and v.is_float), None)
             if i is not None:
                 op = Builder(graph, names, prefix=f"{node.name}/after_gradient", phase=node.phase)
                 if id(source) not in zero_of:
