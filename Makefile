@@ -26,8 +26,10 @@ setup-test: $(VENV)/.test
 
 demo: setup
 	@mkdir -p $(OUT)
-	$(BIN)/onnxgrad build-grad models/mlp.onnx -o $(OUT)/mlp_train.onnx --dim N=32 --force
+	$(BIN)/onnxgrad build-grad models/mlp.onnx -o $(OUT)/mlp_train.onnx --dim N=32
 	$(BIN)/onnxgrad run $(OUT)/mlp_train.onnx --steps 3 --lr 0.1
+	$(BIN)/onnxgrad mirror $(OUT)/mlp_train.onnx -o $(OUT)/mlp_mirror.onnx
+	$(BIN)/onnxgrad memory $(OUT)/mlp_train.onnx $(OUT)/mlp_mirror.onnx
 
 test: setup-test
 	$(BIN)/python -m pytest -q
