@@ -28,8 +28,9 @@ demo: setup
 	@mkdir -p $(OUT)
 	$(BIN)/onnxgrad build-grad models/mlp.onnx -o $(OUT)/mlp_train.onnx --dim N=32
 	$(BIN)/onnxgrad run $(OUT)/mlp_train.onnx --steps 3 --lr 0.1
-	$(BIN)/onnxgrad mirror $(OUT)/mlp_train.onnx -o $(OUT)/mlp_mirror.onnx
-	$(BIN)/onnxgrad memory $(OUT)/mlp_train.onnx $(OUT)/mlp_mirror.onnx
+	$(BIN)/onnxgrad build-grad models/transformer.onnx -o $(OUT)/transformer_train.onnx --dim N=32
+	$(BIN)/onnxgrad mirror $(OUT)/transformer_train.onnx -o $(OUT)/transformer_mirror.onnx
+	$(BIN)/onnxgrad memory $(OUT)/transformer_train.onnx $(OUT)/transformer_mirror.onnx --top 3
 
 test: setup-test
 	$(BIN)/python -m pytest -q

@@ -290,7 +290,8 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    from .memory.simulate import format_bytes
+    return format_bytes(n)
 
 
 def _save_training_graph(result, model: str, out, external_data: bool, force: bool) -> None:

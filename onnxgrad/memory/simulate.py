@@ -50,6 +50,14 @@ class Timeline:
                 "saved_bytes": sum(b for _, b in self.saved), "saved_values": len(self.saved)}
 
 
+def format_bytes(n: int | float) -> str:
+    """Bytes for people: KiB below a MiB, MiB below a GiB, else GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
 def sizes(graph: Graph, dims: dict[str, int] | None = None) -> dict[int, int]:
     """id(value) -> bytes, for every value of the graph; an error names the first value whose size is unknown."""
     dims = dims or {}

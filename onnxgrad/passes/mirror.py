@@ -18,7 +18,7 @@ from ..memory import solver, sweep
 from ..memory.budget import BudgetProblem, parse_budget
 from ..memory.cost import CostModel
 from ..memory.mxnet import MirrorFunction, mxnet_plan
-from ..memory.simulate import peak_of_plan, simulate, sizes
+from ..memory.simulate import format_bytes as _mib, peak_of_plan, simulate, sizes
 from ..pipeline import Build, Pass
 from ..shapes import type_everything
 
@@ -182,14 +182,6 @@ def _no_schedule(budget, target, floor, which, found: dict) -> str:
     return (f"--budget {budget.text}: the {which} solver finds no schedule under {_mib(target)} ({reached}and no "
             f"schedule can go below {_mib(floor)}; give a larger budget"
             + (" or try --solver milp)" if which == "fast" else ")"))
-
-
-def _mib(n: int | float) -> str:
-    """Bytes for a message: KiB below a MiB, else MiB, else GiB."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n / 2**10:.1f} KiB"
 
 
 def name_every_node(graph, names) -> None:
