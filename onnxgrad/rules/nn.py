@@ -83,6 +83,8 @@ def _picked_grad(ctx, x):
 def _class_indices(ctx, x, label_type: int):
     """0..C-1 laid along axis 1 of a tensor of x's rank: shape (1, C, 1, ...)."""
     op, rank = ctx.op, ctx.rank(x)
+    if rank < 2:
+        raise ctx.unsupported(f"the scores {x.name!r} have rank {rank}; the op needs [N, C, ...]")
     classes = x.shape[1]
     if isinstance(classes, int):
         return op.const(np.arange(classes).reshape((1, classes) + (1,) * (rank - 2)), label_type)
