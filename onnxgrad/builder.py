@@ -9,7 +9,7 @@ from onnx import helper, numpy_helper
 
 from .contract import FORWARD
 from .errors import UnsupportedError
-from .ir import Graph, Node, Value
+from .ir import Graph, Node, Value, constant_value
 from .shapes import infer
 
 
@@ -172,13 +172,7 @@ class GradContext:
             return numpy_helper.to_array(graph.initializers[v.name])
         p = v.producer
         if p is not None and p.op_type == "Constant":
-            for a in p.attributes:
-                if a.name == "value":
-                    return numpy_helper.to_array(a.t)
-                if a.name in ("value_int", "value_ints"):
-                    return np.asarray(helper.get_attribute_value(a), dtype=np.int64)
-                if a.name in ("value_float", "value_floats"):
-                    return np.asarray(helper.get_attribute_value(a), dtype=np.float32)
+            return constant_value(p.attributes)
         return None
 
     def unbroadcast(self, g: Value, like: Value) -> Value:

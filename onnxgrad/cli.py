@@ -607,6 +607,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except OnnxgradError as e:
         click.echo(f"onnxgrad: error: {_one_line(e)}", err=True)
+        if getattr(e, "ends_process_at_once", False):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
         return e.exit_code
     except click.exceptions.Abort:
         click.echo("onnxgrad: interrupted", err=True)

@@ -57,6 +57,9 @@ class DistributedError(OnnxgradError):
     """A collective across processes failed: another process stopped, hung or cannot be reached."""
 
     exit_code = 7
+    # torch.distributed's threads may still wait on the dead peer; a normal interpreter exit then aborts in
+    # their destructors, so the command line ends the process at once after the one-line message
+    ends_process_at_once = True
 
 
 def launched() -> bool:

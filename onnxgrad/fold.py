@@ -22,6 +22,7 @@ from onnx import helper, numpy_helper
 
 from .contract import FLOAT_TYPES
 from .errors import UnsupportedError
+from .ir import constant_value
 
 MAX_ELEMENTS = 4096  # larger integer tensors (index tables) are left to run time
 # Each round folds at least one node, so the rounds are bounded by the node count; this bound is far above what
@@ -43,12 +44,7 @@ def _small_int(a: np.ndarray) -> bool:
 
 
 def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
-    for a in node.attribute:
-        if a.name == "value":
-            return numpy_helper.to_array(a.t)
-        if a.name in ("value_int", "value_ints"):
-            return np.asarray(helper.get_attribute_value(a), dtype=np.int64)
-    return None
+    return constant_value(node.attribute)
 
 
 def _dims(model: onnx.ModelProto) -> dict[str, list[int | str | None]]:

@@ -458,5 +458,17 @@ def set_metadata(model: onnx.ModelProto, entries: dict[str, str]) -> None:
             model.metadata_props.add(key=k, value=v)
 
 
+def constant_value(attributes: Iterable[onnx.AttributeProto]) -> np.ndarray | None:
+    """The value a Constant node's attributes hold (value, value_int(s), value_float(s)); None for others."""
+    for a in attributes:
+        if a.name == "value":
+            return numpy_helper.to_array(a.t)
+        if a.name in ("value_int", "value_ints"):
+            return np.asarray(helper.get_attribute_value(a), dtype=np.int64)
+        if a.name in ("value_float", "value_floats"):
+            return np.asarray(helper.get_attribute_value(a), dtype=np.float32)
+    return None
+
+
 def tensor_value(t: onnx.TensorProto) -> np.ndarray:
     return numpy_helper.to_array(t)

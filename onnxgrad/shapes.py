@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto
 
-from .ir import Dim, Node, Value
+from .ir import Dim, Node, Value, constant_value
 
 SAME_AS_INPUT = frozenset({
     "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "Ceil", "Celu", "Clip", "Cos", "Cosh", "Elu", "Erf",
@@ -54,12 +54,7 @@ def constant(v: Value | None) -> np.ndarray | None:
     p = v.producer if v is not None else None
     if p is None or p.op_type != "Constant":
         return None
-    for a in p.attributes:
-        if a.name == "value":
-            return numpy_helper.to_array(a.t)
-        if a.name in ("value_int", "value_ints"):
-            return np.asarray(helper.get_attribute_value(a), dtype=np.int64)
-    return None
+    return constant_value(p.attributes)
 
 
 def shape_value(v: Value | None) -> tuple[Dim, ...] | None:

@@ -187,30 +187,22 @@ def profile_costs(model, symbols: dict[str, int] | None = None, feeds: dict | No
     import onnx
     import onnxruntime as ort
 
+    from ..runner import random_feeds
     from ..runtime import providers
 
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(str(model))
     symbols = symbols or {}
-    rng = np.random.default_rng(seed)
     initializers = {t.name for t in model.graph.initializer}
     feeds = dict(feeds or {})
     for vi in model.graph.input:
         if vi.name in initializers or vi.name in feeds:
             continue
-        t = vi.type.tensor_type
-        shape = []
-        for d in t.shape.dim:
-            if d.HasField("dim_value"):
-                shape.append(d.dim_value)
-            elif d.dim_param in symbols:
-                shape.append(int(symbols[d.dim_param]))
-            else:
+        for d in vi.type.tensor_type.shape.dim:
+            if not d.HasField("dim_value") and d.dim_param not in symbols:
                 raise UsageError(f"--cost profile: input {vi.name!r} has dimension {d.dim_param or '?'!r}; give its "
                                  f"size")
-        dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
-        feeds[vi.name] = (rng.standard_normal(shape).astype(dtype) if np.issubdtype(dtype, np.floating)
-                          else np.zeros(shape, dtype))
+    feeds.update(random_feeds(model, symbols, seed, initializers | set(feeds)))
     with tempfile.TemporaryDirectory() as folder:
         so = ort.SessionOptions()
         so.log_severity_level = 3
