@@ -95,7 +95,7 @@ def main(argv=None) -> None:
                                    "--optimizer", "sgd", "--report", str(report)]))
                 reports.append(json.loads(report.read_text()))
                 if args.ort_training:
-                    art = tmp / f"artifacts{r}"
+                    art = tmp / f"artifacts{layers}_{r}"
                     art.mkdir()
                     theirs.append(timed([args.ort_training, str(script), str(model), str(art)]))
             rep = min(reports, key=lambda x: x["seconds"])

@@ -243,7 +243,7 @@ def test_simulated_peak_matches_the_measured_one(tmp_path, mirror):
 # -- the command line ----------------------------------------------------------------------------------------
 def test_mirror_command_writes_the_plan_and_refuses_unknown_sizes(tmp_path, capfd):
     model = tmp_path / "m.onnx"
-    onnx.save(mlp_tail(), model)
+    onnx.save(mlp_tail(width=128, batch=128), model)  # 64 KiB activations: large enough to be tied
     out = tmp_path / "out.onnx"
     assert main(["mirror", str(model), "-o", str(out), "--loss-fn", "mse"]) == 0
     meta = {p.key: p.value for p in onnx.load(out).metadata_props}

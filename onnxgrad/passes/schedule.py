@@ -72,8 +72,8 @@ def stable_topological_order(nodes: list[Node]) -> list[Node]:
 
 
 def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
-    """Make every backward or recomputed node that reads a forward value but nothing that depends on the loss
-    wait for the gradient computed just before it in the file: one of its forward inputs is read through a
+    """Make every backward or recomputed node that reads a forward value but nothing that depends on the loss,
+    and writes a result large enough to matter, wait for the gradient computed just before it in the file: one of its forward inputs is read through a
     Reshape to its own shape plus 0, the 0 being the ArgMax of one element of that gradient. Reshape shares
     its input's buffer in onnxruntime, and the one-element slice costs nothing, so the node only gains an
     ordering edge. A node depends on the gradient when it reads, through any path, one of the `seeds` (the
@@ -85,7 +85,8 @@ def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
     tied = 0
     for node in list(graph.nodes):
         inputs = [v for v in node.all_inputs if v is not None]
-        if node.phase in (BACKWARD, RECOMPUTE) and source is not None and not any(id(v) in dependent for v in inputs):
+        if (node.phase in (BACKWARD, RECOMPUTE) and source is not None and _large(node)
+                and not any(id(v) in dependent for v in inputs)):
             # a float activation: shape tensors stay as they are (small, and onnxruntime's Reshape fusion
             # mistypes a Reshape whose shape input is itself tied)
             i = next((i for i, v in enumerate(node.inputs) if v is not None and v.producer is not None
@@ -108,6 +109,15 @@ def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
     if tied:
         graph.reorder(order)
     return tied
+
+
+TIE_MIN_BYTES = 64 * 1024  # smaller results cost little memory wherever they run
+
+
+def _large(node: Node) -> bool:
+    """A node worth tying: an output of at least TIE_MIN_BYTES, or of a size not known statically."""
+    sizes = [v.nbytes for v in node.outputs if v.name]
+    return any(b is None or b >= TIE_MIN_BYTES for b in sizes)
 
 
 def _zero_from(op: Builder, g: Value) -> Value:
