@@ -215,11 +215,15 @@ def build_grad(mirror, **flags):
 @click.option("--time-limit", type=click.FloatRange(min=1), default=60.0, show_default=True,
               help="With --solver milp: seconds HiGHS may take (the best schedule found then is used, with its "
                    "gap in the report).")
+@click.option("--cost", "cost", type=click.Choice(["model", "profile"]), default="model", show_default=True,
+              help="With --budget: the price of a recomputation. model: FLOPs of the heavy ops from the shapes "
+                   "plus 20 x the bytes each op moves; profile: each node's time in onnxruntime on this machine "
+                   "(runs the graph a few times first, on seeded random data).")
 @click.option("--sweep", metavar="OUT.png", type=click.Path(path_type=str),
               help="Also chart peak memory against extra compute over the budgets the fast solver reaches, with "
                    "MXNet's plan, checkpoints every sqrt(n) layers and store-all marked; the table goes to "
                    "stdout (needs matplotlib for the chart).")
-def mirror_cmd(policy, budget, solver_name, time_limit, sweep, **flags):
+def mirror_cmd(policy, budget, solver_name, time_limit, cost, sweep, **flags):
     """Write MODEL's training graph with backward mirroring: forward values are recomputed in the backward
     pass, just before their use, instead of being kept from the forward pass. MODEL is a forward model (its
     gradient is built first, with any build-grad flag) or a training or step graph that build-grad wrote
@@ -229,7 +233,7 @@ def mirror_cmd(policy, budget, solver_name, time_limit, sweep, **flags):
     policy = policy or ("budget" if budget else "mxnet")
     if policy == "mxnet" and budget:
         raise UsageError("--budget: goes with --policy budget, not mxnet")
-    options = {"budget": budget, "solver": solver_name, "time_limit": time_limit, "sweep": sweep}
+    options = {"budget": budget, "solver": solver_name, "time_limit": time_limit, "cost": cost, "sweep": sweep}
     _build_and_write("mirror", mirror=policy, mirror_extra=options, **flags)
 
 

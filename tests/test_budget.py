@@ -139,3 +139,12 @@ def test_command_line_budget_report_and_sweep(tmp_path, capsys):
     assert set(r["reasons"]) >= {"gemm0", "silu0"} and r["solver"]
     assert main(["mirror", str(model), "-o", str(out), "--loss-fn", "mse", "--budget", "1B"]) == 2
     assert "below the least peak any schedule can reach" in capsys.readouterr().err
+
+
+def test_profiled_costs_price_the_nodes_and_the_budget_still_holds(tail_model, ladder):
+    budget = ladder[1][0]
+    result = budgeted(tail_model, str(budget), options={"cost": "profile"})
+    m = result.report["mirror"]
+    assert simulate(load(result.model)).peak <= budget and m["extra_cost"] >= 0
+    with pytest.raises(UsageError, match="--cost guess: expected model or profile"):
+        budgeted(tail_model, str(budget), options={"cost": "guess"})

@@ -11,12 +11,13 @@ import json
 import sys
 import time
 
+from .. import weights
 from ..contract import FORWARD, MIRROR_KEY
 from ..errors import UsageError
 from ..memory import plan as plans
 from ..memory import solver, sweep
 from ..memory.budget import BudgetProblem, parse_budget
-from ..memory.cost import CostModel
+from ..memory.cost import CostModel, ProfiledCosts, profile_costs
 from ..memory.mxnet import MirrorFunction, mxnet_plan
 from ..memory.simulate import format_bytes as _mib, peak_of_plan, simulate, sizes
 from ..pipeline import Build, Pass
@@ -78,7 +79,14 @@ def budget_plan(build: Build, nbytes: dict[int, int], unmirrored_peak: int, save
     forward = {n.name for n in graph.nodes if n.phase == FORWARD}
     for name in sorted(save - forward):
         raise UsageError(f"--save {name}: no forward node of that name")
-    costs = opts.get("cost_model") or CostModel(symbols=dict(o.dims))
+    model_costs = CostModel(symbols=dict(o.dims))
+    costs = opts.get("cost_model") or model_costs
+    if opts.get("cost") == "profile":  # onnxruntime's own time for each node of this graph
+        proto = graph.to_model(weights_apart=True)
+        weights.join(proto, graph.initializers)
+        costs = ProfiledCosts(profile_costs(proto, symbols=dict(o.dims)))
+    elif opts.get("cost", "model") != "model":
+        raise UsageError(f"--cost {opts['cost']}: expected model or profile")
     bp = BudgetProblem(graph, nbytes, costs, save)
     problem = bp.problem
     least = solver.floor(problem)
@@ -127,8 +135,8 @@ def budget_plan(build: Build, nbytes: dict[int, int], unmirrored_peak: int, save
         raise UsageError(_no_schedule(budget, wanted, least, which, found))
     plans.apply(graph, plan, build.new_names())
     seconds = time.perf_counter() - started
-    recomputed_flops = sum(costs.flops(bp.nodes[k]) * runs for k, runs in solution.recomputed.items())
-    forward_flops = sum(costs.flops(n) for n in bp.nodes if n.phase == FORWARD)
+    recomputed_flops = sum(model_costs.flops(bp.nodes[k]) * runs for k, runs in solution.recomputed.items())
+    forward_flops = sum(model_costs.flops(n) for n in bp.nodes if n.phase == FORWARD)
     plan.extra = {"budget": budget.text, "budget_bytes": wanted, "floor_bytes": least, "solver": solution.solver,
                   "gap": solution.gap, "status": solution.status, "solve_seconds": round(seconds, 3),
                   "least_peak_found_bytes": found.get("least"), "problem_ops": problem.n,
