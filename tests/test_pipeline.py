@@ -160,3 +160,21 @@ def test_the_report_times_every_pass():
                             loss_options={"loss_output": "ce"}, optimizer="sgd")
     assert list(result.report["passes"]) == ["read", "infer", "loss", "lower", "gradient", "schedule", "optimizer",
                                              "validate"]
+
+
+def test_requires_grad_messages_say_what_is_true():
+    """A BatchNormalization statistic the loss reads but no rule differentiates (exit 4, not "unreachable"), and
+    a float8 value named by its type rather than called an integer."""
+    from onnxgrad.errors import UnsupportedError, UsageError
+    stats = [numpy_helper.from_array(np.ones(3, np.float32), n) for n in ("s", "b", "m", "v")]
+    nodes = [h.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], name="bn"),
+             h.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]),
+                                  h.make_tensor_value_info("q", TensorProto.FLOAT8E4M3FN, [3])],
+                     [h.make_tensor_value_info("loss", TensorProto.FLOAT, [])], stats)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
+    with pytest.raises(UnsupportedError, match="depends on it only through input 3 of BatchNormalization node 'bn', "
+                                               "which no gradient rule differentiates"):
+        onnxgrad.build(model, requires_grad=["m"])
+    with pytest.raises(UsageError, match="--requires-grad q: has the element type float8e4m3fn"):
+        onnxgrad.build(model, requires_grad=["q"])
