@@ -424,7 +424,7 @@ def run_cmd(train_model, steps, lr, data, dim, seed, provider, report):
 @click.option("--timeout", "timeout_s", metavar="SECONDS", type=click.FloatRange(0, min_open=True),
               help="Under torchrun: a collective that takes longer (a process died or hangs) ends the run "
                    "[default: 600].")
-@click.option("-f", "--force", is_flag=True, help="Replace existing --export and --report files.")
+@click.option("-f", "--force", is_flag=True, hidden=True, help="Accepted for old scripts; outputs are always replaced.")
 def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_shuffle, provider, threads, lr,
               checkpoint, checkpoint_every, resume, export, forward, report, log_every, quiet_train, zero1, bucket_mb,
               timeout_s, force):
@@ -498,7 +498,7 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
 @click.argument("step_model", type=click.Path(path_type=str))
 @click.option("-o", "--output-dir", "output_dir", required=True, type=click.Path(path_type=str),
               help="An existing folder: gradient.onnx and update.onnx are written there.")
-@click.option("-f", "--force", is_flag=True, help="Accepted; existing files are replaced.")
+@click.option("-f", "--force", is_flag=True, hidden=True, help="Accepted for old scripts; outputs are always replaced.")
 def split_cmd(step_model, output_dir, force):
     """Cut a step graph (build-grad --optimizer) in two at the gradients: gradient.onnx (data and parameters
     in; the loss, the forward outputs and <p>_grad out, in backward order) and update.onnx (<p>_grad,
