@@ -360,13 +360,16 @@ def torch_loss_fn(name, params):
 
 
 class TorchSide:
-    def __init__(self, name, model, batch, lr, threads):
+    """The same step in PyTorch eager, its parameters and batch on `device` (the CPU, or a GPU for gpu_check)."""
+
+    def __init__(self, name, model, batch, lr, threads=None, device="cpu"):
         import torch
-        torch.set_num_threads(threads)
-        self.params = {t.name: torch.nn.Parameter(torch.from_numpy(numpy_helper.to_array(t).copy()))
+        if threads:
+            torch.set_num_threads(threads)
+        self.params = {t.name: torch.nn.Parameter(torch.from_numpy(numpy_helper.to_array(t).copy()).to(device))
                        for t in model.graph.initializer}
         self.loss_fn = torch_loss_fn(name, self.params)
-        self.batch = {k: torch.from_numpy(v) for k, v in batch.items()}
+        self.batch = {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
         self.opt = torch.optim.SGD(list(self.params.values()), lr=lr)
 
     def step(self):
@@ -374,7 +377,7 @@ class TorchSide:
         loss = self.loss_fn(self.batch)
         loss.backward()
         self.opt.step()
-        return float(loss.detach())
+        return float(loss.detach())  # waits for a GPU, as our step's loss does
 
 
 # -- ours ------------------------------------------------------------------------------------------------------

@@ -204,29 +204,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-class TorchCuda:
-    """bench_train's torch side with the parameters and the batch on the GPU (or on `device`)."""
-
-    def __init__(self, name, model, batch, lr, device="cuda"):
-        import torch
-        from onnx import numpy_helper
-
-        import bench_train
-        self.torch = torch
-        self.params = {t.name: torch.nn.Parameter(torch.from_numpy(numpy_helper.to_array(t).copy()).to(device))
-                       for t in model.graph.initializer}
-        self.loss_fn = bench_train.torch_loss_fn(name, self.params)
-        self.batch = {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
-        self.opt = torch.optim.SGD(list(self.params.values()), lr=lr)
-
-    def step(self):
-        self.opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.batch)
-        loss.backward()
-        self.opt.step()
-        return float(loss.detach())  # waits for the GPU, as our step's loss does
-
-
 def check_model(name: str, steps: int, rounds: int, lr: float, use_torch: bool, device: str = "cuda") -> dict:
     """One row of the table. device="cpu" runs the same steps on the CPU provider (and torch on the CPU): a dry
     run of this script where there is no GPU."""
@@ -285,7 +262,7 @@ def check_model(name: str, steps: int, rounds: int, lr: float, use_torch: bool, 
         import torch
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        theirs = TorchCuda(name, model, batch, lr, device)
+        theirs = bench_train.TorchSide(name, model, batch, lr, device=device)
         first["torch"] = theirs.step()
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()

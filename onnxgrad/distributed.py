@@ -174,12 +174,7 @@ class DataParallelTrainer(StepGraphTrainer):
         self._allocate()
         self._grad_bindings = [self._gradient_binding(b) for b in (0, 1)]
         self._bindings = [self._update_binding(b) for b in (0, 1)]
-        if lr is not None:
-            self.set_lr(lr)
-        elif self.graph.lr is not None:
-            if self.graph.lr not in self.graph.initial:
-                raise UsageError(f"the step graph's {self.graph.lr!r} input has no default; pass --lr")
-            self._bind_lr(float(self.graph.initial[self.graph.lr]))
+        self._start_lr(lr)
 
     # -- joining the job ------------------------------------------------------------------------------------
 

@@ -150,13 +150,17 @@ def _with_output_types(model: onnx.ModelProto, output: str) -> onnx.ModelProto:
     return copy
 
 
-def _find_output(graph: Graph, name: str) -> Value:
+def find_output(graph: Graph, name: str, flag: str) -> Value:
+    """The graph output `name`; a usage error under `flag` that lists the outputs when there is none."""
     for v in graph.outputs:
         if v.name == name:
-            break
-    else:
-        raise UsageError(f"--target {name}: no graph output of that name "
-                         f"(outputs: {', '.join(o.name for o in graph.outputs)})")
+            return v
+    raise UsageError(f"{flag} {name}: no graph output of that name "
+                     f"(outputs: {', '.join(o.name for o in graph.outputs)})")
+
+
+def _find_output(graph: Graph, name: str) -> Value:
+    v = find_output(graph, name, "--target")
     if v.elem_type is None:
         raise UsageError(f"--target {name}: the output's element type is unknown")
     if not v.is_float:

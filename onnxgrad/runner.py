@@ -298,12 +298,7 @@ class StepGraphTrainer:
         self._bindings = [self._binding(0), self._binding(1)]
         self.lr = None
         self._lr_chosen = False              # by the caller: then a checkpoint's lr does not override it
-        if lr is not None:
-            self.set_lr(lr)
-        elif self.graph.lr is not None:
-            if self.graph.lr not in self.graph.initial:
-                raise UsageError(f"the step graph's {self.graph.lr!r} input has no default; pass --lr")
-            self._bind_lr(float(self.graph.initial[self.graph.lr]))
+        self._start_lr(lr)
 
     # -- the step -------------------------------------------------------------------------------------------
 
@@ -318,6 +313,15 @@ class StepGraphTrainer:
             binding.bind_ortvalue_input(name, self._buffers[name][source])
             binding.bind_ortvalue_output(nxt, self._buffers[name][1 - source])
         return binding
+
+    def _start_lr(self, lr: float | None) -> None:
+        """The learning rate of the first step: the caller's, else the step graph's stored default."""
+        if lr is not None:
+            self.set_lr(lr)
+        elif self.graph.lr is not None:
+            if self.graph.lr not in self.graph.initial:
+                raise UsageError(f"the step graph's {self.graph.lr!r} input has no default; pass --lr")
+            self._bind_lr(float(self.graph.initial[self.graph.lr]))
 
     def set_lr(self, lr: float) -> None:
         """Feed `lr` to the graph's learning-rate input from the next step on (e.g. a schedule)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import UsageError
 from ..ir import Graph, Value
-from ..losses import add_loss
+from ..losses import add_loss, find_output
 from ..pipeline import Build, Pass
 
 LOSS_OPTIONS = {"target_input", "loss_output", "reduction", "class_weights", "ignore_index"}
@@ -48,12 +48,7 @@ def select_heads(graph: Graph, loss: str | list[str] | None) -> list[Value]:
 
 def select_loss(graph: Graph, name: str | None) -> Value:
     if name is not None:
-        for v in graph.outputs:
-            if v.name == name:
-                break
-        else:
-            raise UsageError(f"--loss {name}: no graph output of that name "
-                             f"(outputs: {', '.join(o.name for o in graph.outputs)})")
+        v = find_output(graph, name, "--loss")
     else:
         scalars = [v for v in graph.outputs if v.shape == () and v.is_float]
         if len(scalars) != 1:

@@ -48,13 +48,17 @@ class Mirror(Pass):
         before = simulate(graph, nbytes=nbytes)
         save = set(o.mirror_options.get("save", ()))
         recompute = set(o.mirror_options.get("recompute", ()))
+        # one problem serves the sweep and the budget: the solver keeps its front on it
+        bp = None
+        if o.mirror == "budget" or o.mirror_options.get("sweep"):
+            bp = BudgetProblem(graph, nbytes, recompute_costs(build), save)
         if o.mirror_options.get("sweep"):
-            build.report["sweep"] = sweep_rows(build, nbytes, save)
+            build.report["sweep"] = sweep_rows(build, bp, nbytes, save)
         if o.mirror == "mxnet":
             plan = mxnet_plan(graph, nbytes, MirrorFunction(graph, save, recompute))
             plans.apply(graph, plan, build.new_names())
         else:
-            plan = budget_plan(build, nbytes, before.peak, save, recompute)
+            plan = budget_plan(build, bp, nbytes, before.peak, save, recompute)
         after = simulate(graph, nbytes=sizes(graph, o.dims))
         plan.predicted = {"peak_bytes": after.peak, "unmirrored_peak_bytes": before.peak,
                           "saved_bytes": sum(b for _, b in after.saved),
@@ -64,7 +68,20 @@ class Mirror(Pass):
         build.report["mirror"] = {**plan.record(), "reasons": plan.reasons}
 
 
-def budget_plan(build: Build, nbytes: dict[int, int], unmirrored_peak: int, save: set[str],
+def recompute_costs(build: Build):
+    """The price of running each node again: the cost model, or onnxruntime's own time per node (--cost profile)."""
+    o = build.options
+    which = o.mirror_options.get("cost", "model")
+    if which == "model":
+        return CostModel(symbols=dict(o.dims))
+    if which != "profile":
+        raise UsageError(f"--cost {which}: expected model or profile")
+    proto = build.graph.to_model(weights_apart=True)
+    weights.join(proto, build.graph.initializers)
+    return ProfiledCosts(profile_costs(proto, symbols=dict(o.dims)))
+
+
+def budget_plan(build: Build, bp: BudgetProblem, nbytes: dict[int, int], unmirrored_peak: int, save: set[str],
                 recompute: set[str]) -> plans.Plan:
     """Solve for the cheapest schedule under the budget, apply it, and check the written graph's peak."""
     graph, o = build.graph, build.options
@@ -79,15 +96,7 @@ def budget_plan(build: Build, nbytes: dict[int, int], unmirrored_peak: int, save
     forward = {n.name for n in graph.nodes if n.phase == FORWARD}
     for name in sorted(save - forward):
         raise UsageError(f"--save {name}: no forward node of that name")
-    model_costs = CostModel(symbols=dict(o.dims))
-    costs = opts.get("cost_model") or model_costs
-    if opts.get("cost") == "profile":  # onnxruntime's own time for each node of this graph
-        proto = graph.to_model(weights_apart=True)
-        weights.join(proto, graph.initializers)
-        costs = ProfiledCosts(profile_costs(proto, symbols=dict(o.dims)))
-    elif opts.get("cost", "model") != "model":
-        raise UsageError(f"--cost {opts['cost']}: expected model or profile")
-    bp = BudgetProblem(graph, nbytes, costs, save)
+    model_costs = CostModel(symbols=dict(o.dims))  # FLOPs for the report, whatever priced the plan
     problem = bp.problem
     least = solver.floor(problem)
     target = budget.resolve(unmirrored_peak)
@@ -146,11 +155,10 @@ def budget_plan(build: Build, nbytes: dict[int, int], unmirrored_peak: int, save
     return plan
 
 
-def sweep_rows(build: Build, nbytes: dict[int, int], save: set[str]) -> dict:
+def sweep_rows(build: Build, bp: BudgetProblem, nbytes: dict[int, int], save: set[str]) -> dict:
     """The Pareto sweep of `mirror --sweep`, on the graph before any plan is applied."""
     import click
     graph, o = build.graph, build.options
-    bp = BudgetProblem(graph, nbytes, o.mirror_options.get("cost_model") or CostModel(symbols=dict(o.dims)), save)
     mxnet_order = mxnet_plan(graph, nbytes, MirrorFunction(graph, save)).order
 
     def progress(items):
