@@ -5,7 +5,7 @@ from typing import Sequence
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from .contract import FORWARD
 from .errors import UnsupportedError
@@ -164,7 +164,10 @@ class GradContext:
 
     def const_input(self, i: int) -> np.ndarray | None:
         """The value of input i when it is an initializer or a Constant node's output, else None."""
-        v = self.I(i)
+        return self.const_value_of(self.I(i))
+
+    def const_value_of(self, v: Value | None) -> np.ndarray | None:
+        """The value of v when it is an initializer or a Constant node's output, else None."""
         if v is None:
             return None
         graph = self.op.graph
@@ -178,6 +181,41 @@ class GradContext:
     def unbroadcast(self, g: Value, like: Value) -> Value:
         """Sum `g` (shaped like the broadcast result) down to the shape of `like`."""
         return unbroadcast(self, g, like, self.node.outputs[0])
+
+    def scatter_add_rows(self, rows: Value, positions: Value, updates: Value, like: Value) -> Value:
+        """Zeros of [rows, M] with row i of `updates` ([N, M]) added at row positions[i] (1-D, >= 0, may repeat)."""
+        return scatter_add_rows(self, rows, positions, updates, like)
+
+
+# Tables with at most this many rows (known statically) take their gradient through a one-hot MatMul: faster
+# than ScatterElements there, and bit-identical on every provider (bench/bench_scatter.py measures both).
+ONE_HOT_MAX_ROWS = 512
+
+
+def scatter_add_rows(ctx: GradContext, rows: Value, positions: Value, updates: Value, like: Value) -> Value:
+    """Sum the rows of `updates` into a zero table of `rows` rows, at `positions`: an embedding's gradient.
+
+    Never ScatterND with reduction="add": onnxruntime's CPU kernel splits the updates across threads and loses
+    some of them when positions repeat (every token of one segment id, every sequence at one position).
+    Small tables use a one-hot matrix [rows, N] and one MatMul, which sums in a fixed order. Larger ones use
+    ScatterElements with reduction="add", which the CPU provider runs in one loop (exact, repeatable at any
+    thread count; CUDA adds with atomics, so the sums are right but their order is not fixed); its indices are
+    the positions expanded to the updates' shape (int64, twice the updates' bytes, built from the gradient's
+    shape so they are made in the backward pass).
+    """
+    op = ctx.op
+    static_rows = ctx.const_value_of(rows)
+    count = int(static_rows.reshape(-1)[0]) if static_rows is not None else None
+    if ctx.opset < 16 or (count is not None and count <= ONE_HOT_MAX_ROWS):
+        along = op.Range(op.const(np.int64(0), TensorProto.INT64), op.Squeeze(rows),
+                         op.const(np.int64(1), TensorProto.INT64))
+        hits = op.Equal(op.Unsqueeze(along, op.ints([1])), op.Unsqueeze(positions, op.ints([0])))
+        return op.MatMul(op.Cast(hits, to=ctx.elem_type(like)), updates)
+    shape = op.Shape(updates)
+    spread = op.Expand(op.Unsqueeze(positions, op.ints([1])), shape)
+    zero = helper.make_tensor("", ctx.elem_type(like), [1], [0])
+    zeros = op.ConstantOfShape(op.Concat(rows, op.Slice(shape, op.ints([1]), op.ints([2])), axis=0), value=zero)
+    return op.ScatterElements(zeros, spread, updates, axis=0, reduction="add")
 
 
 def unbroadcast(ctx: GradContext, g: Value, like: Value, result: Value) -> Value:

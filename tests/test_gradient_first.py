@@ -22,9 +22,9 @@ INTRINSIC = {
     "ConvTranspose": {"Reshape", "Transpose"},  # the input, laid out as the kernel of the weight-gradient Conv
     "Cos": {"Sin"}, "Sin": {"Cos"},
     "Erf": {"Exp", "Mul", "Neg"},              # exp(-x^2)
-    "Gather": {"Cast"},                        # one-hot matrix at opsets 13-15
+    "Gather": {"Cast"},                        # one-hot matrix (small tables; every table at opsets 13-15)
     "GatherElements": {"ConstantOfShape"},     # zeros to scatter the gradient into
-    "GatherND": {"Cast", "ConstantOfShape"},   # zeros to scatter into; one-hot matrix at opsets 13-15
+    "GatherND": {"Cast", "ConstantOfShape"},   # zeros to scatter into; one-hot matrix (as Gather)
     "Gelu": {"Add", "Erf", "Exp", "Mul", "Tanh"},
     "GlobalMaxPool": {"Cast"},                 # the mask of maxima
     "GroupNormalization": {"Mul", "Reshape", "Sub"},  # the normalised input
@@ -44,6 +44,7 @@ INTRINSIC = {
     "Softplus": {"Sigmoid"}, "Softsign": {"Abs", "Add"},
     "TopK": {"ConstantOfShape"},               # zeros to scatter the gradient into
     "Attention": {"Reshape"},                  # 3-D K and V split into heads (a view, no copy)
+    "RotaryEmbedding": {"Cast"},               # one-hot matrix of the positions (as Gather)
     "Swish": {"Mul", "Sigmoid"},               # sigmoid(alpha * x) is a function of x alone, as in Softplus
 }
 

@@ -270,3 +270,10 @@ def test_mirrored_graph_gives_the_same_gradients(exported):
     mirrored = onnxgrad.build(exported.path, frozen=buffers or None, mirror="mxnet")
     assert_typed(mirrored.model)
     assert_same_outputs(plain.model, mirrored.model)
+
+
+def test_training_graph_is_repeatable(exported):
+    from repeat import assert_repeatable
+    train = onnxgrad.build(exported.path).model
+    feeds = {i.name: a.numpy() for i, a in zip(exported.onnx.graph.input, exported.args)}
+    assert_repeatable(train, feeds, f"{exported.name} ({exported.mode})")

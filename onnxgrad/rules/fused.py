@@ -446,20 +446,22 @@ def rotary_embedding(ctx):
         xh = as_heads(x)
         x1, x2 = halves(xh)
         if ctx.needs(1):
-            gc = _rotary_cache_grad(ctx, per_position(op.Add(op.Mul(gy1, x1), op.Mul(gy2, x2))), cos, positions)
+            gc = _rotary_cache_grad(ctx, per_position(op.Add(op.Mul(gy1, x1), op.Mul(gy2, x2))), cos, positions,
+                                    half)
         if ctx.needs(2):
-            gs = _rotary_cache_grad(ctx, per_position(op.Sub(op.Mul(gy2, x1), op.Mul(gy1, x2))), sin, positions)
+            gs = _rotary_cache_grad(ctx, per_position(op.Sub(op.Mul(gy2, x1), op.Mul(gy1, x2))), sin, positions,
+                                    half)
     return [gx, gc, gs, None][:ctx.num_inputs]
 
 
-def _rotary_cache_grad(ctx, per_position, cache, positions):
+def _rotary_cache_grad(ctx, per_position, cache, positions, half: int):
     """[B, S, r/2] gradients summed into the cache rows that the positions read (or as they are)."""
     if positions is None:
         return per_position
     op = ctx.op
-    zero = helper.make_tensor("", ctx.elem_type(cache), [1], [0])
-    zeros = op.ConstantOfShape(ctx.shape_of(cache), value=zero)
-    return op.ScatterND(zeros, op.Unsqueeze(positions, op.ints([-1])), per_position, reduction="add")
+    rows = op.Reshape(per_position, op.ints([-1, half]))
+    summed = ctx.scatter_add_rows(_shape(ctx, [_dim(ctx, cache, 0)]), op.Reshape(positions, op.ints([-1])), rows, cache)
+    return ctx.reshape_like(summed, cache)
 
 
 # -- Swish (opset 24) ----------------------------------------------------------------------------------------

@@ -1,14 +1,16 @@
 """Gradient rules: indexing ops (gathers, scatters, TopK, CumSum) and Einsum.
 
 A gather's gradient scatters dy back to the positions it read, adding where an index repeats; a scatter's
-gradient gathers dy at the positions it wrote. Adding scatters (ScatterElements and ScatterND with
-reduction="add") exist from opset 16; before that a repeat-free scatter is used where the indices are constants
-without repeats, and otherwise a one-hot sum over (position x index) pairs, noted per rule.
+gradient gathers dy at the positions it wrote. Where indices may repeat, the adding goes through
+`GradContext.scatter_add_rows` (a one-hot MatMul for small tables, ScatterElements with reduction="add" for
+large ones) or ScatterElements with reduction="add" (GatherElements, from opset 16), never through ScatterND with
+a reduction, which onnxruntime's CPU provider races on. A repeat-free scatter is used where the indices are
+constants without repeats; before opset 16 GatherElements sums through a boolean mask, noted there.
 
 Forward-only nodes here: the zeros a gather's gradient is scattered into (ConstantOfShape, as large as the
-input), index arithmetic (int64), the one-hot masks at opsets 13-15 (boolean for GatherElements, float for
-GatherND's MatMul), and identities built at run time for Einsum diagonals of symbolic size. Einsum's gradient is
-one Einsum of dy with the other operands (plus identity matrices for repeated subscripts).
+input), index arithmetic (int64), one-hot masks (boolean for GatherElements at opsets 13-15, float for
+GatherND's MatMul on small tables), and identities built at run time for Einsum diagonals of symbolic size.
+Einsum's gradient is one Einsum of dy with the other operands (plus identity matrices for repeated subscripts).
 """
 from __future__ import annotations
 
@@ -244,18 +246,15 @@ def _index_tuples(ctx, data, indices, batch_dims: int):
 
 
 @rule("GatherND", since=13, wrt=(0,),
-      limits="opsets 13-15 with repeated or run-time indices: a one-hot matrix (positions x index tuples)")
+      limits="tables of up to 512 addressed slices, and opsets 13-15: a one-hot matrix (slices x index tuples)")
 def gather_nd(ctx):
-    """dx = zeros with dy added at the gathered slices (ScatterND, repeats accumulate)"""
+    """dx = zeros with dy added at the gathered slices (repeats accumulate)"""
     x, indices, gy, op = ctx.I(0), ctx.I(1), ctx.GO(0), ctx.op
     batch_dims = ctx.attr("batch_dims", 0)
     tuples, known = _index_tuples(ctx, x, indices, batch_dims)
-    if ctx.opset >= 16:
-        return [op.ScatterND(_zeros(ctx, ctx.shape_of(x), x), tuples, gy, reduction="add"), None]
     if known is not None and not batch_dims and not _repeated_rows(known, x.shape[:known.shape[-1]]):
         return [op.ScatterND(_zeros(ctx, ctx.shape_of(x), x), tuples, gy), None]
-    # Before opset 16: number the addressed slices of x, and sum dy's slices through a one-hot matrix
-    # [addressed positions, index tuples] (forward-only, float).
+    # Number the addressed slices of x row-major, and add dy's slices into that many rows.
     depth = batch_dims + indices.shape[-1]
     lead = x.shape[:depth]
     if all(isinstance(d, int) for d in lead):
@@ -267,12 +266,9 @@ def gather_nd(ctx):
             steps.insert(0, op.Mul(steps[0], _dim(ctx, x, t)))
         strides = op.Concat(*steps, axis=0) if depth > 1 else steps[0]
         count = op.Mul(steps[0], _dim(ctx, x, 0))
-    flat = op.ReduceSum(op.Mul(tuples, strides), op.ints([-1]), keepdims=0)
-    flat = op.Reshape(flat, op.ints([1, -1]))
-    along = op.Reshape(op.Range(_scalar(ctx, 0), op.Squeeze(count), _scalar(ctx, 1)), op.ints([-1, 1]))
-    one_hot = op.Cast(op.Equal(along, flat), to=ctx.elem_type(x))
+    flat = op.Reshape(op.ReduceSum(op.Mul(tuples, strides), op.ints([-1]), keepdims=0), op.ints([-1]))
     rows = op.Reshape(gy, op.Concat(op.Reshape(op.Size(flat), op.ints([1])), op.ints([-1]), axis=0))
-    return [ctx.reshape_like(op.MatMul(one_hot, rows), x), None]
+    return [ctx.reshape_like(ctx.scatter_add_rows(count, flat, rows, x), x), None]
 
 
 # -- scatters --------------------------------------------------------------------------------------------------

@@ -2,12 +2,13 @@
 
 Each gradient puts the output gradient back where its elements came from: an inverse reshape or transpose,
 a slice of a concatenation, a scatter into zeros, or a sum over the copies an op made (Expand, Tile, Pad's
-edge and reflect modes, Gather's repeated indices). Sizes come from static shapes where they are known and
-from Shape nodes where dims are symbolic, so one graph serves every batch size.
+edge and reflect modes, Gather's repeated indices through `GradContext.scatter_add_rows`). Sizes come from
+static shapes where they are known and from Shape nodes where dims are symbolic, so one graph serves every
+batch size.
 
 Gradient-first: the nodes that move data consume the output gradient. Shape arithmetic, index vectors and
 zero fills read forward values only; they are small (one entry per dim or per position along one axis),
-except for Gather's one-hot matrix at opsets 13-15, noted there.
+except for Gather's one-hot matrix (tables of up to 512 rows, and every table at opsets 13-15).
 """
 from __future__ import annotations
 
@@ -259,7 +260,7 @@ def _slice_param(ctx, i: int, j: int):
 
 
 @rule("Gather", since=13, wrt=(0,),
-      limits="opsets 13-15 with repeated or run-time indices: one-hot MatMul (a dim x indices mask)")
+      limits="repeated or run-time indices into up to 512 rows, or at opsets 13-15: a one-hot MatMul (rows x indices)")
 def gather(ctx):
     """dx = zeros with dy added at the gathered positions along axis (repeated indices accumulate)"""
     x, indices, g, op = ctx.I(0), ctx.I(1), ctx.GO(0), ctx.op
@@ -287,16 +288,8 @@ def gather(ctx):
 
     if not repeats:
         placed = op.ScatterND(_zeros(ctx, op.Concat(d, rest, axis=0), x), positions, moved)
-    elif ctx.opset >= 16:
-        placed = op.ScatterND(_zeros(ctx, op.Concat(d, rest, axis=0), x), positions, moved, reduction="add")
     else:
-        # ScatterND cannot accumulate before opset 16: sum through a [dim, number of indices] one-hot matrix.
-        # The mask reads forward values only and has one entry per (position, index) pair.
-        flat = op.Reshape(positions, op.ints([-1]))
-        along = op.Range(_scalar(ctx, 0), op.Squeeze(d), _scalar(ctx, 1))
-        hits = op.Equal(op.Unsqueeze(along, op.ints([1])), op.Unsqueeze(flat, op.ints([0])))
-        one_hot = op.Cast(hits, to=ctx.elem_type(x))
-        summed = op.MatMul(one_hot, op.Flatten(moved, axis=q))
+        summed = ctx.scatter_add_rows(d, op.Reshape(positions, op.ints([-1])), op.Flatten(moved, axis=q), x)
         placed = op.Reshape(summed, op.Concat(d, rest, axis=0))
     _, back = _move_axis_to_front(rank, axis)
     return [op.Transpose(placed, perm=back) if axis else placed, None]

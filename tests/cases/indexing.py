@@ -172,6 +172,9 @@ CASES = [
     runtime(case("GatherND", "runtime-batch-dims1", [(2, 3, 2), i64([[[-1], [0]], [[1], [1]]])], batch_dims=1),
             1),
     runtime(case("GatherND", "runtime-opset13", [X34, i64([[1], [-1], [1]])], opset=13), 1),
+    # more than builder.ONE_HOT_MAX_ROWS addressed slices: added with ScatterElements
+    case("GatherND", "large-table-repeats", [(30, 20, 2), i64([[29, 19], [0, 0], [29, 19], [29, -1]])]),
+    runtime(case("GatherND", "runtime-large-table", [(600, 2), i64([[599], [3], [599]])]), 1),
 
     # ScatterND: data and updates; reduction none and add; rows and elements; negative indices
     case("ScatterND", "rows", [(4, 3), i64([[1], [3]]), (2, 3)]),

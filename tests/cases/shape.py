@@ -99,6 +99,9 @@ CASES = [
     Case("Gather", [(2, 3, 4), i64(-1, 1, 3, -1)], {"axis": -1}, id="Gather-negative-axis"),
     Case("Gather", [(2, 3, 4), i64(-1, 1, 3, -1)], {"axis": -1}, opset=13, id="Gather-negative-axis-opset13"),
     Case("Gather", [(4, 3), np.array(-2, np.int64)], id="Gather-scalar-index"),
+    # tables above builder.ONE_HOT_MAX_ROWS rows add their gradient with ScatterElements
+    Case("Gather", [(600, 3), np.array([[599, 0, 599], [7, 599, -1]], np.int64)], id="Gather-large-table-repeated"),
+    Case("Gather", [(2, 600, 3), i64(-1, 5, 599, 5)], {"axis": 1}, id="Gather-large-table-axis1"),
     Case("Gather", [(3, 4), np.array(1, np.int64)], {"axis": 1}, opset=13, id="Gather-scalar-index-axis1-opset13"),
     Case("Gather", [(5,), np.array(3, np.int64)], opset=13, id="Gather-scalar-from-vector-opset13"),
     Case("Gather", [(5,), np.array(3, np.int64)], id="Gather-scalar-from-vector"),
