@@ -45,9 +45,26 @@ def session_options(model: onnx.ModelProto, threads: int | None = None) -> tuple
     return so, {"disabled_optimizers": disabled} if disabled else {}
 
 
+def model_bytes(model: onnx.ModelProto) -> bytes:
+    """The model as every onnxruntime session here takes it: serialized at the lowest IR version its opsets
+    allow when its own is higher (onnx 1.23's make_model writes IR 14, which onnxruntime 1.31 refuses; the
+    opsets decide what the model may contain; local functions need IR 8). The caller's model is left as it is."""
+    least = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
+    if len(model.functions):
+        least = max(least, 8)
+    if model.ir_version <= least:
+        return model.SerializeToString()
+    own = model.ir_version
+    model.ir_version = least  # set for the serialization only: no copy of the weights
+    try:
+        return model.SerializeToString()
+    finally:
+        model.ir_version = own
+
+
 def session(model: onnx.ModelProto, provider: str = "cpu", threads: int | None = None) -> ort.InferenceSession:
     so, extra = session_options(model, threads)
-    return ort.InferenceSession(model.SerializeToString(), so, providers=providers(provider), **extra)
+    return ort.InferenceSession(model_bytes(model), so, providers=providers(provider), **extra)
 
 
 def training_session(model: onnx.ModelProto, provider: str = "auto", threads: int | None = None,
@@ -67,7 +84,7 @@ def training_session(model: onnx.ModelProto, provider: str = "auto", threads: in
         # error below says why in one line. 2 (warnings) is onnxruntime's default level.
         ort.set_default_logger_severity(4)
     try:
-        sess = ort.InferenceSession(model.SerializeToString(), so, providers=wanted, **extra)
+        sess = ort.InferenceSession(model_bytes(model), so, providers=wanted, **extra)
     finally:
         ort.set_default_logger_severity(2)
     on_cuda = "CUDAExecutionProvider" in sess.get_providers()
