@@ -207,7 +207,7 @@ class DataParallelTrainer(StepGraphTrainer):
             providers = [("CUDAExecutionProvider", {"device_id": self.device_id}), "CPUExecutionProvider"]
         else:
             providers = ["CPUExecutionProvider"]
-        sess = ort.InferenceSession(model.SerializeToString(), so, providers=providers, **extra)
+        sess = ort.InferenceSession(runtime.model_bytes(model), so, providers=providers, **extra)
         if self.device == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
             raise UsageError(f"--provider {provider}: onnxruntime could not start its CUDA provider on device "
                              f"{self.device_id}; use --provider cpu")

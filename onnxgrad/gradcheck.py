@@ -94,7 +94,7 @@ class Runner:
         so.intra_op_num_threads = 1
         so.inter_op_num_threads = 1
         try:
-            self.session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(runtime.model_bytes(model), so, providers=["CPUExecutionProvider"])
         except Exception as e:
             if fallback is None:
                 raise CannotRun(_why_not(e)) from None

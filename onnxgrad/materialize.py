@@ -41,6 +41,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from . import runtime
 from .errors import InvalidModelError, UsageError
 
 log = logging.getLogger("onnxgrad")
@@ -103,7 +104,7 @@ def materialize(model: onnx.ModelProto, seed: int = 0, calibrate: bool = True) -
     data_inputs = [vi for vi in g.input if vi.name not in init_names]
     del g.input[:]
     g.input.extend(data_inputs)
-    out.ir_version = max(out.ir_version, 4)
+    out.ir_version = max(min(out.ir_version, runtime.least_ir_version(out)), 4)  # one onnxruntime accepts
     if calibrate:
         report.calibrated = _calibrate(out, weights, seed)
     for name, values in weights.items():
@@ -329,7 +330,7 @@ def _calibrate(model: onnx.ModelProto, weights: dict[str, np.ndarray], seed: int
     so = ort.SessionOptions()
     so.log_severity_level = 3
     try:
-        sess = ort.InferenceSession(probe_model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(runtime.model_bytes(probe_model), so, providers=["CPUExecutionProvider"])
         values = sess.run([s for _, s in scales], feeds)
     except Exception as e:  # onnxruntime reports many kinds of failure
         raise InvalidModelError(f"materialize: the calibration run failed: {str(e).splitlines()[0]}") from None

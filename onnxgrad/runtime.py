@@ -45,13 +45,18 @@ def session_options(model: onnx.ModelProto, threads: int | None = None) -> tuple
     return so, {"disabled_optimizers": disabled} if disabled else {}
 
 
-def model_bytes(model: onnx.ModelProto) -> bytes:
-    """The model as every onnxruntime session here takes it: serialized at the lowest IR version its opsets
-    allow when its own is higher (onnx 1.23's make_model writes IR 14, which onnxruntime 1.31 refuses; the
-    opsets decide what the model may contain; local functions need IR 8). The caller's model is left as it is."""
+def least_ir_version(model: onnx.ModelProto) -> int:
+    """The lowest IR version the model's opsets allow (they decide what it may contain; local functions need
+    IR 8): what every onnxruntime that runs those opsets accepts."""
     least = onnx.helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
-    if len(model.functions):
-        least = max(least, 8)
+    return max(least, 8) if len(model.functions) else least
+
+
+def model_bytes(model: onnx.ModelProto) -> bytes:
+    """The model as every onnxruntime session here takes it: serialized at `least_ir_version` when its own IR
+    version is higher (onnx 1.23's make_model writes IR 14, which onnxruntime 1.31 refuses). The caller's model
+    is left as it is."""
+    least = least_ir_version(model)
     if model.ir_version <= least:
         return model.SerializeToString()
     own = model.ir_version

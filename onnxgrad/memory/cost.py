@@ -188,7 +188,7 @@ def profile_costs(model, symbols: dict[str, int] | None = None, feeds: dict | No
     import onnxruntime as ort
 
     from ..runner import random_feeds
-    from ..runtime import providers
+    from ..runtime import model_bytes, providers
 
     if not isinstance(model, onnx.ModelProto):
         model = onnx.load(str(model))
@@ -209,7 +209,7 @@ def profile_costs(model, symbols: dict[str, int] | None = None, feeds: dict | No
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.enable_profiling = True
         so.profile_file_prefix = os.path.join(folder, "profile")
-        session = ort.InferenceSession(model.SerializeToString(), so, providers=providers(provider))
+        session = ort.InferenceSession(model_bytes(model), so, providers=providers(provider))
         for _ in range(runs + 1):
             session.run(None, feeds)
         with open(session.end_profiling()) as f:
