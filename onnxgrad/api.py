@@ -1,7 +1,8 @@
 """`build_gradient`: a forward model in, a training graph out.
 
 The stages are listed in one place, `pipeline.training_pipeline`; this module turns the keywords into
-`pipeline.Options`, runs the passes and shapes the result.
+`pipeline.Options`, runs the passes and shapes the result. `import onnxgrad` loads this module; onnx and the
+passes are imported when a build starts, so that the command line's `--version` and `--help` need neither.
 """
 from __future__ import annotations
 
@@ -9,13 +10,20 @@ import gc
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import onnx
-
-from . import optim, pipeline, weights
-from .contract import GRAD_SUFFIX, RUNTIME_HINTS  # noqa: F401  (part of the API)
 from .errors import UsageError
-from .passes.loss import LOSS_OPTIONS
+
+if TYPE_CHECKING:
+    import onnx
+
+
+def __getattr__(name: str):
+    # GRAD_SUFFIX and RUNTIME_HINTS are part of the API; contract.py imports onnx
+    if name in ("GRAD_SUFFIX", "RUNTIME_HINTS"):
+        from . import contract
+        return getattr(contract, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -72,6 +80,9 @@ def build(model, *, loss=None, requires_grad=None, frozen=None, also_grad=None, 
 def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims, feed_head_grads, loss_fn, target,
            loss_options, optimizer, optimizer_options, weights_apart=False, mirror=None,
            mirror_options=None) -> BuildResult:
+    from . import pipeline, weights
+    from .contract import BACKWARD, FORWARD, OPTIMIZER, RECOMPUTE
+
     started = time.perf_counter()
     _check_training_options(loss_fn, target, loss_options, optimizer, optimizer_options)
     options = pipeline.Options(loss=loss, requires_grad=requires_grad, frozen=frozen, also_grad=also_grad,
@@ -79,7 +90,17 @@ def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims,
                                loss_fn=loss_fn, target=target, loss_options=loss_options, optimizer=optimizer,
                                optimizer_options=optimizer_options, mirror=mirror,
                                mirror_options=mirror_options or {})
-    build = pipeline.run(pipeline.Build(model, options), pipeline.training_pipeline())
+    passes = pipeline.training_pipeline()
+    # a graph with nothing to differentiate is refused before the later stages (a mirror budget) report on it
+    cut = next(k for k, p in enumerate(passes) if "gradient" in p.ensures) + 1
+    build = pipeline.run(pipeline.Build(model, options), passes[:cut])
+    seconds = build.report.pop("passes")
+    if not build.parameters and not build.also:
+        raise UsageError(f"nothing to differentiate: no floating-point initializer reaches the loss "
+                         f"{build.heads[0].name!r} through differentiable ops (all frozen, or none); name graph "
+                         f"inputs with --requires-grad")
+    pipeline.run(build, passes[cut:])
+    build.report["passes"] = {**seconds, **build.report["passes"]}
     graph, out = build.graph, build.proto
     report = {
         "loss": build.heads[0].name,
@@ -91,13 +112,19 @@ def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims,
         "source_opset": build.report["source_opset"],
         "opset": build.report["opset"],
         "ir_version": build.report["ir_version"],
-        "forward_nodes": build.report["forward_nodes"],
-        "backward_nodes": build.report["backward_nodes"],
+        # the written graph's nodes by phase, counted the same way for a forward model and a training graph
+        "forward_nodes": sum(n.phase == FORWARD for n in graph.nodes),
+        "recompute_nodes": sum(n.phase == RECOMPUTE for n in graph.nodes),
+        "backward_nodes": sum(n.phase == BACKWARD for n in graph.nodes),
+        "optimizer_nodes": sum(n.phase == OPTIMIZER for n in graph.nodes),
         "rules_used": build.report["rules_used"],
-        **{k: build.report[k] for k in ("mirror", "sweep") if k in build.report},
+        **{k: build.report[k] for k in ("mirror",) if k in build.report},
         "passes": build.report["passes"],
         "seconds": round(time.perf_counter() - started, 4),
     }
+    if "sweep" in build.report:
+        from .memory.sweep import with_choice
+        report["sweep"] = with_choice(build.report["sweep"], build.report.get("mirror"))
     if weights_apart:
         return BuildResult(out, report, weights=graph.initializers, external_data=build.data_files)
     weights.join(out, graph.initializers)
@@ -106,6 +133,9 @@ def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims,
 
 def _check_training_options(loss_fn, target, loss_options, optimizer, optimizer_options) -> None:
     """Fail before the slow part: options without their --loss-fn / --optimizer, or optimizer values refused."""
+    from . import optim
+    from .passes.loss import LOSS_OPTIONS
+
     if loss_fn is None and (target is not None or loss_options):
         flag = "--target" if target is not None else "--" + next(iter(loss_options)).replace("_", "-")
         raise UsageError(f"{flag}: needs --loss-fn")

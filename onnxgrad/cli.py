@@ -1,12 +1,19 @@
 """The `onnxgrad` command line. Results go to stdout, messages to stderr; every failure is one line.
 
-Exit codes: 0 success, 2 usage (bad flags, names that do not exist, paths refused), 3 invalid model,
-4 unsupported (an op or form with no gradient rule), 5 output cannot be written, 6 `check` found a gradient off,
-7 a data-parallel peer failed or timed out (`train` under torchrun), 70 internal error.
+Exit codes: 0 success, 2 usage (bad flags, names that do not exist, paths refused, unreadable data), 3 invalid
+model, 4 unsupported (an op or form with no gradient rule), 5 output cannot be written, 6 `check` found a gradient
+off, 7 a data-parallel peer failed or timed out (`train` under torchrun), 8 `train` stopped on a NaN or infinite
+loss, 70 internal error, 130 interrupted.
 
 Every --report FILE.json has the keys `report_version`, `command` and `onnxgrad_version`, then the command's own
 keys (README, "Reports"); it is written only when the command finishes its work (for `check`, also when a
 gradient is off), together with the command's other outputs or not at all.
+
+Every output path is checked before any work (`io.OutputPaths`): never a file an input reads (the model, the
+external-data files it names, --data, --resume), never another output of the same command.
+
+Start-up: this module imports only click and onnxgrad's own light modules; each command imports what it needs
+(onnx, onnxruntime, numpy), so `onnxgrad --version` and `--help` answer at once.
 """
 from __future__ import annotations
 
@@ -14,20 +21,27 @@ import logging
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import click
 
 from . import __version__
 from .errors import GradientCheckError, InternalError, OnnxgradError, UsageError
-from .io import check_output_path, json_bytes, save_json, save_model, write_along
+from .io import OutputError, OutputPaths, json_bytes, save_json, save_model, write_along
 
 log = logging.getLogger("onnxgrad")
 
-EXIT_CODES_HELP = ("Exit codes: 0 success, 2 usage error, 3 invalid model, 4 unsupported op or form, "
-                   "5 output not writable, 70 internal error.")
+EXIT_CODES_HELP = ("Exit codes: 0 success, 2 usage error (a bad flag, a name not in the model, an output path "
+                   "refused, unreadable data), 3 invalid model (unreadable, fails the checker or shape inference, "
+                   "an opset that cannot be converted to 13 or is newer than the installed onnx defines), "
+                   "4 unsupported op or form, 5 output not writable, 70 internal error, 130 interrupted.")
 CHECK_EXIT_CODES_HELP = ("Exit codes: 0 every gradient within tolerance, 6 a gradient is off, 2 usage error "
                          "(e.g. not a training graph), 3 invalid model, 5 report not writable, 70 internal error.")
+TRAIN_EXIT_CODES_HELP = EXIT_CODES_HELP.replace(
+    "70 internal", "7 a collective failed (torchrun), 8 the loss or a parameter became NaN or infinite, 70 internal")
 REPORT_VERSION = 1
+# budgets above this are refused rather than printed as a size no machine has
+LARGEST_BUDGET = 2**50
 
 
 def _report(command: str, body: dict) -> dict:
@@ -42,6 +56,52 @@ def _one_line(text: str) -> str:
 def _names(values: tuple[str, ...]) -> list[str]:
     """Flags that take names accept them repeated or comma-separated."""
     return [n for v in values for n in v.split(",") if n]
+
+
+def _dims(values: tuple[str, ...]) -> dict[str, int]:
+    """--dim SYMBOL=N, repeated or comma-separated (batch=8,seq=128). A symbol bound twice, even to the same
+    size, and a size below 1 are errors."""
+    dims: dict[str, int] = {}
+    for spec in _names(values):
+        name, sep, value = spec.partition("=")
+        if not sep or not name or not value.isdigit():
+            raise UsageError(f"--dim {spec!r}: expected SYMBOL=N, e.g. batch=8")
+        if int(value) < 1:
+            raise UsageError(f"--dim {spec}: a dimension has at least 1 element")
+        if name in dims:
+            raise UsageError(f"--dim {name}: bound twice ({name}={dims[name]} and {spec}); give each symbol once")
+        dims[name] = int(value)
+    return dims
+
+
+def _shapes(values: tuple[str, ...]) -> dict[str, list[int]]:
+    """--input-shape NAME=D1xD2..; an input given twice is an error."""
+    from .loader import parse_shape_bindings
+
+    seen: set[str] = set()
+    for spec in values:
+        name = spec.rpartition("=")[0]
+        if name and name in seen:
+            raise UsageError(f"--input-shape {name}: given twice; give each input once")
+        seen.add(name)
+    return parse_shape_bindings(list(values))
+
+
+class _Kinds(click.Choice):
+    """A click.Choice over names kept in a module that imports onnx (losses.LOSSES, optim.OPTIMIZERS), read
+    when a command parses or shows its flags: `onnxgrad --version` and `--help` then never import onnx."""
+
+    def __init__(self, module: str, names: str):
+        self._where, self._choices = (module, names), None
+        self.case_sensitive = True
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        if self._choices is None:
+            import importlib
+            module, names = self._where
+            self._choices = tuple(getattr(importlib.import_module(module, __package__), names))
+        return self._choices
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
@@ -80,11 +140,8 @@ def _floats(spec: str | None, flag: str, count: int | None = None) -> list[float
 
 def _training_flags(command):
     """The options of --loss-fn and --optimizer (README, "Losses and optimizers")."""
-    from .losses import LOSSES
-    from .optim import OPTIMIZERS
-
     flags = [
-        click.option("--loss-fn", type=click.Choice(LOSSES),
+        click.option("--loss-fn", type=_Kinds(".losses", "LOSSES"),
                      help="Append this loss to the model and differentiate it: mse, l1, bce-with-logits compare "
                           "--target with a float input of its shape; cross-entropy reads int64 class indices "
                           "(the output's shape without axis 1). As torch.nn.functional's losses."),
@@ -100,7 +157,7 @@ def _training_flags(command):
                                                                   "class; mean divides by the weights used."),
         click.option("--ignore-index", metavar="K", type=int,
                      help="With --loss-fn cross-entropy: targets equal to K add nothing [default: none]."),
-        click.option("--optimizer", type=click.Choice(OPTIMIZERS),
+        click.option("--optimizer", type=_Kinds(".optim", "OPTIMIZERS"),
                      help="Append this optimizer (as torch.optim; momentum = SGD with momentum 0.9) and write a "
                           "step graph: one run is one training step, with <p>.next and <state>.next outputs "
                           "to feed back (metadata onnxgrad.state). <param>_grad outputs are dropped."),
@@ -157,7 +214,8 @@ def _model_flags(command):
                      help="Intermediate values whose gradients are also output, as <NAME>_grad."),
         click.option("--input-shape", metavar="NAME=D1xD2..", multiple=True,
                      help="Fix a graph input's shape, e.g. x=2x3x224x224."),
-        click.option("--dim", metavar="SYMBOL=N", multiple=True, help="Bind a symbolic dimension, e.g. batch=8."),
+        click.option("--dim", metavar="SYMBOL=N", multiple=True,
+                     help="Bind a symbolic dimension, e.g. batch=8 (repeatable or comma-separated; once per symbol)."),
     ]
     tail = [
         click.option("--save", metavar="NODE", multiple=True,
@@ -166,7 +224,8 @@ def _model_flags(command):
                      help="With mirroring: recompute this forward node even if the policy would keep it."),
         click.option("--external-data", is_flag=True,
                      help="Write the weights to OUTPUT.data beside the output. Default: when the input model has "
-                          "external data, or when one file would pass protobuf's 2 GB limit."),
+                          "external data, or when one file would pass protobuf's 2 GB limit. Never onto a file the "
+                          "input model reads."),
         click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),
                      help="Also write a JSON report: loss, parameters, outputs, node counts, rules used, the "
                           "seconds of each pass, and with mirroring the plan with a reason per node."),
@@ -208,21 +267,23 @@ def build_grad(mirror, **flags):
                    "peak (0.4x), or auto (the least peak at most one extra forward pass of recomputation "
                    "buys). The peak counts weights, inputs, gradients, saved activations and temporaries. A "
                    "budget below the least peak any schedule reaches is an error that prints that floor.")
-@click.option("--solver", "solver_name", type=click.Choice(["fast", "milp"]), default="fast", show_default=True,
+@click.option("--solver", "solver_name", type=click.Choice(["fast", "milp"]),
               help="With --budget: fast (a search over which values to keep, recomputing a value more than once "
                    "where cheaper; seconds on 10k-node graphs) or milp (the exact mixed-integer program of "
-                   "Checkmate through HiGHS, for the optimum on small graphs; bounded by --time-limit).")
-@click.option("--time-limit", type=click.FloatRange(min=1), default=60.0, show_default=True,
+                   "Checkmate through HiGHS, for the optimum on small graphs; bounded by --time-limit) "
+                   "[default: fast].")
+@click.option("--time-limit", type=click.FloatRange(min=1),
               help="With --solver milp: seconds HiGHS may take (the best schedule found then is used, with its "
-                   "gap in the report).")
-@click.option("--cost", "cost", type=click.Choice(["model", "profile"]), default="model", show_default=True,
-              help="With --budget: the price of a recomputation. model: FLOPs of the heavy ops from the shapes "
-                   "plus 20 x the bytes each op moves; profile: each node's time in onnxruntime on this machine "
-                   "(runs the graph a few times first, on seeded random data).")
+                   "gap in the report) [default: 60].")
+@click.option("--cost", "cost", type=click.Choice(["model", "profile"]),
+              help="With --budget or --sweep: the price of a recomputation. model: FLOPs of the heavy ops from the "
+                   "shapes plus 20 x the bytes each op moves; profile: each node's time in onnxruntime on this "
+                   "machine (runs the graph a few times first, on seeded random data) [default: model].")
 @click.option("--sweep", metavar="OUT.png", type=click.Path(path_type=str),
               help="Also chart peak memory against extra compute over the budgets the fast solver reaches, with "
-                   "MXNet's plan, checkpoints every sqrt(n) layers and store-all marked; the table goes to "
-                   "stdout (needs matplotlib for the chart).")
+                   "MXNet's plan, checkpoints every sqrt(n) layers, store-all, the chosen plan, the budget and the "
+                   "floor marked; the table goes to stdout before the paths written (needs matplotlib for the "
+                   "chart).")
 def mirror_cmd(policy, budget, solver_name, time_limit, cost, sweep, **flags):
     """Write MODEL's training graph with backward mirroring: forward values are recomputed in the backward
     pass, just before their use, instead of being kept from the forward pass. MODEL is a forward model (its
@@ -230,46 +291,66 @@ def mirror_cmd(policy, budget, solver_name, time_limit, cost, sweep, **flags):
     without mirroring. The report (--report, and one line on stderr) gives the simulated peak memory before and
     after; the written graph's metadata keeps the plan and the onnxruntime settings the saving needs (every
     onnxgrad runner applies them). Sizes need every dimension known: bind symbols with --dim."""
-    policy = policy or ("budget" if budget else "mxnet")
-    if policy == "mxnet" and budget:
+    if budget is not None:
+        _check_budget(budget)
+    policy = policy or ("budget" if budget is not None else "mxnet")
+    if policy == "mxnet" and budget is not None:
         raise UsageError("--budget: goes with --policy budget, not mxnet")
-    options = {"budget": budget, "solver": solver_name, "time_limit": time_limit, "cost": cost, "sweep": sweep}
+    if solver_name is not None and policy != "budget":
+        raise UsageError("--solver: chooses how a --budget is met; give --budget (or --policy budget)")
+    if time_limit is not None and solver_name != "milp":
+        raise UsageError("--time-limit: bounds --solver milp only")
+    if cost is not None and policy != "budget" and not sweep:
+        raise UsageError("--cost: prices recomputation for --budget or --sweep; give one of them")
+    options = {"budget": budget, "solver": solver_name or "fast", "time_limit": time_limit or 60.0,
+               "cost": cost or "model", "sweep": sweep}
     _build_and_write("mirror", mirror=policy, mirror_extra=options, **flags)
+
+
+def _check_budget(text: str) -> None:
+    """--budget is parsed at the edge: an empty one (an unset $BUDGET) is not taken for auto, and a size past any
+    machine's memory is refused rather than printed."""
+    from .memory.budget import parse_budget
+
+    if not text.strip():
+        raise UsageError(f"--budget {text!r}: empty (an unset variable?); give bytes (16GiB, 1500MB, 2e9), a "
+                         f"fraction of the unmirrored peak (0.4x) or auto")
+    budget = parse_budget(text)
+    if budget.bytes is not None and budget.bytes > LARGEST_BUDGET:
+        raise UsageError(f"--budget {text}: more than 1 PiB, past any machine's memory; give the peak one run must "
+                         f"fit, a fraction (0.4x) or auto")
 
 
 def _build_and_write(command, model, output, loss, requires_grad, frozen, also_grad, input_shape, dim, save,
                      recompute, external_data, report, force, mirror, mirror_extra=None, **training):
     from .api import build
-    from .loader import parse_dim_bindings, parse_shape_bindings
 
-    out = check_output_path(output, [model], force)
-    if report and os.path.abspath(report) == os.path.abspath(output):
-        raise UsageError(f"--report {report}: is the output model; choose another path")
-    report_path = check_output_path(report, [model, output], force) if report else None
-    sweep_path = (mirror_extra or {}).get("sweep")
-    if sweep_path:
-        sweep_path = check_output_path(sweep_path, [model, output, *([report] if report else [])])
+    paths = OutputPaths([model])
+    out = paths.claim(output, "-o", "the output model")
+    paths.claim_data(out)  # written when the input has external data, with --external-data, or past 2 GB
+    report_path = paths.claim(report, "--report", "the report") if report else None
+    sweep = (mirror_extra or {}).get("sweep")
+    sweep_path = paths.claim(sweep, "--sweep", "the --sweep chart") if sweep else None
     if (save or recompute) and mirror is None:
         raise UsageError(f"{'--save' if save else '--recompute'}: needs --mirror (or the mirror command)")
     result = build(model, loss=loss, requires_grad=_names(requires_grad) or None, frozen=_names(frozen),
-                   also_grad=_names(also_grad), input_shapes=parse_shape_bindings(list(input_shape)),
-                   dims=parse_dim_bindings(list(dim)), weights_apart=True, mirror=mirror,
+                   also_grad=_names(also_grad), input_shapes=_shapes(input_shape), dims=_dims(dim),
+                   weights_apart=True, mirror=mirror,
                    mirror_options={"save": _names(save), "recompute": _names(recompute), **(mirror_extra or {})},
                    **_training_options(training))
     r = result.report
-    if not r["parameters"] and not r.get("also_grad"):
-        raise UsageError(f"nothing to differentiate: no floating-point initializer reaches the loss {r['loss']!r} "
-                         f"through differentiable ops (all frozen, or none); name graph inputs with --requires-grad")
 
     def write_model():
-        _save_training_graph(result, model, out, external_data, force)
+        _save_training_graph(result, out, external_data)
     if report_path:  # the report and the model, or neither
         write_along(report_path, json_bytes(_report(command, {"input": str(model), "output": str(out), **r})),
                     write_model)
     else:
         write_model()
-    log.info("%s: loss %s, %d parameters, %d forward + %d backward nodes, %.2f s", out, r["loss"],
-             len(r["parameters"]), r["forward_nodes"], r["backward_nodes"], r["seconds"])
+    counts = [f"{r[f'{phase}_nodes']} {phase}" for phase in ("forward", "recompute", "backward", "optimizer")
+              if r[f"{phase}_nodes"] or phase in ("forward", "backward")]
+    log.info("%s: loss %s, %d parameters, %s nodes, %.2f s", out, r["loss"], len(r["parameters"]),
+             " + ".join(counts), r["seconds"])
     if log.isEnabledFor(logging.DEBUG):
         from .cuda import cuda_fallbacks
         for line in cuda_fallbacks(result.model):
@@ -277,9 +358,9 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
     if "mirror" in r:
         m = r["mirror"]
         p = m["predicted"]
-        log.info("%s: %d forward nodes recomputed; simulated peak %s -> %s (saved activations %s -> %s)", out,
-                 len(m["recomputed"]), _mib(p["unmirrored_peak_bytes"]), _mib(p["peak_bytes"]),
-                 _mib(p["unmirrored_saved_bytes"]), _mib(p["saved_bytes"]))
+        log.info("%s: %d forward nodes recomputed; simulated peak %s -> %s (kept from the forward pass for the "
+                 "backward %s -> %s)", out, len(m["recomputed"]), _mib(p["unmirrored_peak_bytes"]),
+                 _mib(p["peak_bytes"]), _mib(p["unmirrored_saved_bytes"]), _mib(p["saved_bytes"]))
         if "budget_bytes" in m:
             log.info("%s: budget %s (%s), floor %s; %.2f extra forward passes of recomputation (%s solver%s)",
                      out, m["budget"], _mib(m["budget_bytes"]) if m["budget_bytes"] else "auto",
@@ -287,8 +368,9 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
                      "" if m.get("gap") is None else f", gap {m['gap']:.2%}")
     if "sweep" in r:
         from .memory.sweep import chart
-        chart(r["sweep"]["rows"], sweep_path, f"{os.path.basename(model)}: peak memory against recomputation")
-        click.echo(r["sweep"]["table"])
+        chart(r["sweep"]["rows"], sweep_path, f"{os.path.basename(model)}: peak memory against recomputation",
+              r["sweep"].get("budget_bytes"))
+        click.echo(r["sweep"]["table"] + "\n")
         click.echo(str(sweep_path))
     click.echo(str(out))
 
@@ -298,20 +380,19 @@ def _mib(n: int) -> str:
     return format_bytes(n)
 
 
-def _save_training_graph(result, model: str, out, external_data: bool, force: bool) -> None:
+def _save_training_graph(result, out: Path, external_data: bool) -> None:
     """Write build-grad's result, streaming its weights (never a second copy of them in memory); the weights
     go to <out>.data when asked, when the input had external data, or when one file would pass 2 GB."""
-    from .io import data_path, needs_external_data
+    from .io import needs_external_data
 
     external = external_data or bool(result.external_data) or needs_external_data(result.model, result.weights)
-    if external:
-        check_output_path(data_path(out), [model, *result.external_data], force)
     save_model(result.model, out, weights=result.weights, external_data=external)
 
 
 @cli.command("memory", epilog=EXIT_CODES_HELP)
 @click.argument("graphs", nargs=-1, required=True, type=click.Path(path_type=str))
-@click.option("--dim", metavar="SYMBOL=N", multiple=True, help="Bind a symbolic dimension, e.g. N=8.")
+@click.option("--dim", metavar="SYMBOL=N", multiple=True,
+              help="Bind a symbolic dimension, e.g. N=8 (repeatable or comma-separated; once per symbol).")
 @click.option("--top", default=8, show_default=True, type=click.IntRange(0), help="Saved values to list.")
 @click.option("--plot", metavar="OUT.png", type=click.Path(path_type=str),
               help="Draw the live memory of every graph along its schedule on one chart (needs matplotlib: "
@@ -321,14 +402,15 @@ def _save_training_graph(result, model: str, out, external_data: bool, force: bo
 def memory_cmd(graphs, dim, top, plot, report):
     """Simulate the memory of one run of each graph (a training or step graph, or any model) in the order its
     nodes are listed, as onnxruntime runs it with the settings build-grad records: the peak, where it happens,
-    what is alive then (parameters, inputs, gradients, saved activations, temporaries) and the largest forward
-    values the backward pass keeps. Graph inputs and weights count for the whole run; a value is freed after
-    its last reader."""
-    from .loader import parse_dim_bindings
+    what is alive then (parameters, inputs, gradients, activations the backward reads, temporaries) and the
+    largest forward values kept for the backward pass. Graph inputs and weights count for the whole run; a
+    value is freed after its last reader."""
     from .memory.simulate import load, plot as draw, simulate
 
-    dims = parse_dim_bindings(list(dim))
-    outputs = [check_output_path(p, list(graphs)) for p in (plot, report) if p]
+    dims = _dims(dim)
+    paths = OutputPaths(list(graphs))
+    plot_path = paths.claim(plot, "--plot", "the --plot chart") if plot else None
+    report_path = paths.claim(report, "--report", "the report") if report else None
     timelines, body = {}, {}
     for path in graphs:
         graph = load(path, dims)
@@ -336,19 +418,27 @@ def memory_cmd(graphs, dim, top, plot, report):
         timelines[os.path.basename(path)] = t
         node = graph.nodes[t.peak_index] if graph.nodes else None
         body[path] = {**t.summary(), "peak_phase": node.phase if node else None, "top_saved": t.saved[:top]}
-        click.echo(f"{path}: peak {_mib(t.peak)} at node {t.peak_index} {t.peak_node!r}"
-                   f"{f' ({node.phase})' if node else ''}; static {_mib(t.static)} (inputs and weights), "
-                   f"one run adds {_mib(t.dynamic_peak)}")
-        click.echo("  at the peak: " + ", ".join(f"{k} {_mib(v)}" for k, v in t.at_peak.items()))
+        where = "" if node is None else f"at node {t.peak_index} " + (
+            f"{node.name!r} ({node.op_type}, {node.phase})" if node.name else f"(an unnamed {node.op_type}, "
+                                                                             f"{node.phase})")
+        click.echo(f"{path}: peak {_mib(t.peak)} {where}; static {_mib(t.static)} (inputs and weights), one run "
+                   f"adds {_mib(t.dynamic_peak)}")
+        click.echo("  at the peak: " + ", ".join(f"{AT_PEAK.get(k, k)} {_mib(v)}" for k, v in t.at_peak.items()))
         saved = sum(b for _, b in t.saved)
-        click.echo(f"  saved for the backward: {len(t.saved)} values, {_mib(saved)}"
+        click.echo(f"  kept from the forward pass for the backward (recomputed values not counted): "
+                   f"{len(t.saved)} values, {_mib(saved)}"
                    + ("; largest: " + ", ".join(f"{n} {_mib(b)}" for n, b in t.saved[:top]) if top and t.saved
                       else ""))
-    if plot:
-        draw(timelines, outputs[0])
-        click.echo(str(outputs[0]))
-    if report:
-        save_json(_report("memory", {"graphs": body, "dims": dims}), outputs[-1])
+    if plot_path:
+        draw(timelines, plot_path)
+        click.echo(str(plot_path))
+    if report_path:
+        save_json(_report("memory", {"graphs": body, "dims": dims}), report_path)
+
+
+# what `memory` prints for a category of simulate.CATEGORIES: the activations alive at the peak include the
+# recomputed ones, which the "kept from the forward pass" line does not count
+AT_PEAK = {"saved activations": "activations the backward reads (kept or recomputed)"}
 
 
 @cli.command("run", epilog=EXIT_CODES_HELP)
@@ -358,7 +448,7 @@ def memory_cmd(graphs, dim, top, plot, report):
 @click.option("--data", type=click.Path(exists=True, dir_okay=False, path_type=str),
               help="An .npz file with one array per graph input; inputs it lacks get seeded random data.")
 @click.option("--dim", metavar="SYMBOL=N", multiple=True,
-              help="Size of a symbolic dimension for the random data (default 4).")
+              help="Size of a symbolic dimension for the random data (default 4; once per symbol).")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the random data.")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="onnxruntime execution provider.")
@@ -367,23 +457,24 @@ def memory_cmd(graphs, dim, top, plot, report):
 def run_cmd(train_model, steps, lr, data, dim, seed, provider, report):
     """Run training steps of a graph written by build-grad in onnxruntime: each step runs forward and
     backward, prints the loss and the gradient norms, and applies param -= lr * grad."""
-    from .loader import parse_dim_bindings, read_model
+    from .loader import read_model
     from .runner import run_training_graph
 
+    dims = _dims(dim)
+    report_path = OutputPaths({train_model: "the input model", data: "the --data file"}).claim(
+        report, "--report", "the report") if report else None
     model = read_model(train_model)
-    history = run_training_graph(model, steps=steps, lr=lr, data=data, dims=parse_dim_bindings(list(dim)), seed=seed,
-                        provider=provider)
+    history = run_training_graph(model, steps=steps, lr=lr, data=data, dims=dims, seed=seed, provider=provider)
     for k, step in enumerate(history):
         click.echo(f"step {k + 1}: loss {step['loss']:.6g}")
     click.echo(f"{'gradient':40s} {'L2 norm':>12s}")
     for name, norm in history[0]["grad_norms"].items():
         click.echo(f"{name:40s} {norm:12.6g}")
-    if report:
-        save_json(_report("run", {"input": train_model, "steps": history}),
-                  check_output_path(report, [train_model], True))
+    if report_path:
+        save_json(_report("run", {"input": train_model, "steps": history}), report_path)
 
 
-@cli.command("train", epilog=EXIT_CODES_HELP.replace("70 internal", "7 a collective failed (torchrun), 70 internal"))
+@cli.command("train", epilog=TRAIN_EXIT_CODES_HELP)
 @click.argument("step_model", type=click.Path(path_type=str))
 @click.option("--data", required=True, type=click.Path(path_type=str),
               help="An .npz file with one array per data input of the step graph, all with the same first dim.")
@@ -405,7 +496,8 @@ def run_cmd(train_model, steps, lr, data, dim, seed, provider, report):
                    "--checkpoint-every steps).")
 @click.option("--checkpoint-every", metavar="N", type=click.IntRange(1), help="Also checkpoint every N steps.")
 @click.option("--resume", metavar="PATH.npz", type=click.Path(path_type=str),
-              help="Restore a checkpoint and continue as if never interrupted (same --data/--batch/--seed).")
+              help="Restore a checkpoint and continue as if never interrupted (the same --data, checked by a "
+                   "fingerprint, --batch and --seed).")
 @click.option("--export", metavar="MODEL.onnx", type=click.Path(path_type=str),
               help="At the end, write the forward model with the trained weights.")
 @click.option("--forward", metavar="MODEL.onnx", type=click.Path(path_type=str),
@@ -416,6 +508,9 @@ def run_cmd(train_model, steps, lr, data, dim, seed, provider, report):
 @click.option("--log-every", metavar="N", type=click.IntRange(1),
               help="When stderr is not a terminal, print a progress line every N steps (default: 10 lines).")
 @click.option("--quiet", "quiet_train", is_flag=True, help="No progress output.")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Train on when the loss or a parameter becomes NaN or infinite. Default: stop with exit code 8 "
+                   "and no checkpoint written after it, so the last one written is the last good one.")
 @click.option("--zero1", is_flag=True, help="Under torchrun: keep each parameter's optimizer state on one process "
               "only (ZeRO-1); owners broadcast their updated parameters.")
 @click.option("--bucket-mb", metavar="MB", type=click.FloatRange(0, min_open=True),
@@ -426,14 +521,18 @@ def run_cmd(train_model, steps, lr, data, dim, seed, provider, report):
                    "[default: 600].")
 @click.option("-f", "--force", is_flag=True, hidden=True, help="Accepted for old scripts; outputs are always replaced.")
 def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_shuffle, provider, threads, lr,
-              checkpoint, checkpoint_every, resume, export, forward, report, log_every, quiet_train, zero1, bucket_mb,
-              timeout_s, force):
+              checkpoint, checkpoint_every, resume, export, forward, report, log_every, quiet_train, allow_nonfinite,
+              zero1, bucket_mb, timeout_s, force):
     """Train with a step graph (written by build-grad --optimizer) in onnxruntime: parameters and optimizer
     state stay on the device between steps; progress (loss, samples/s) goes to stderr, a summary to stdout.
 
     Under torchrun, data-parallel: each process runs its share of every batch (--batch is the global batch)
-    and the gradients are averaged across processes; rank 0 prints, checkpoints, exports and reports."""
+    and the gradients are averaged across processes; rank 0 prints, checkpoints, exports and reports.
+
+    Everything that can be checked is checked before the first step: the paths, the data (labels in range),
+    the checkpoint to resume and the data it was made with, and the --forward model for --export."""
     from . import distributed
+    from .loader import read_model
     from .runner import StepGraphTrainer
 
     parallel = distributed.launched()
@@ -447,12 +546,14 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
         raise UsageError("--checkpoint-every needs --checkpoint PATH")
     if forward and not export:
         raise UsageError("--forward is only used with --export")
-    if not os.path.isfile(data):
-        raise UsageError(f"--data {data}: no such file")
-    inputs = [step_model, data] + ([forward] if forward else [])
-    outputs = {flag: check_output_path(path, inputs, force) for flag, path in (("export", export), ("report", report))
-               if path}
-    checkpoint_path = check_output_path(checkpoint, inputs, True) if checkpoint else None
+    paths = OutputPaths({step_model: "the input model", data: "the --data file", forward: "the --forward model",
+                         resume: "the --resume checkpoint"})
+    export_path = paths.claim(export, "--export", "the exported model") if export else None
+    if export_path:
+        paths.claim_data(export_path)
+    report_path = paths.claim(report, "--report", "the report") if report else None
+    checkpoint_path = paths.claim(checkpoint, "--checkpoint", "the checkpoint", reads=resume) if checkpoint else None
+    forward_model = read_model(forward) if forward else None
     if parallel:
         trainer = distributed.DataParallelTrainer(
             step_model, provider=provider, threads=threads, lr=lr, zero1=zero1,
@@ -462,11 +563,12 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
     lead = not parallel or trainer.rank == 0     # the process that prints and writes
     if resume:
         trainer.load_checkpoint(resume)
+    batches = trainer.batches(data, batch, seed, shuffle=not no_shuffle, drop_last=not keep_last_batch)
+    trainer.check_export(forward_model)
     quiet = quiet_train or not log.isEnabledFor(logging.INFO) or not lead
-    result = trainer.fit(data, steps=steps, epochs=epochs, batch=batch, seed=seed, shuffle=not no_shuffle,
-                         drop_last=not keep_last_batch, checkpoint=checkpoint_path,
+    result = trainer.fit(batches, steps=steps, epochs=epochs, checkpoint=checkpoint_path,
                          checkpoint_every=checkpoint_every, progress="off" if quiet else "auto",
-                         log_every=log_every)
+                         log_every=log_every, allow_nonfinite=allow_nonfinite)
     if parallel:
         trainer.close()
         if not lead:
@@ -478,10 +580,10 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
                    f"{result.samples_per_second:,.0f} samples/s")
     else:
         click.echo(f"nothing to run: the checkpoint is at step {trainer.steps_done}")
-    if "export" in outputs:
-        trainer.export(outputs["export"], forward=forward)
-        click.echo(str(outputs["export"]))
-    if "report" in outputs:
+    if export_path:
+        save_model(trainer.export(forward=forward_model), export_path)
+        click.echo(str(export_path))
+    if report_path:
         extra = {}
         if parallel:
             ran = len(trainer.comm_seconds) - len(result.losses)
@@ -491,13 +593,14 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
                      "allreduce_share": round(sum(comm) / max(sum(result.step_seconds), 1e-12), 6)}
         save_json(_report("train", {"input": step_model, "data": data, "device": trainer.device, "lr": trainer.lr,
                                     "seed": seed, "resumed_from": resume, "checkpoint": checkpoint,
-                                    "export": export, **result.to_json(), **extra}), outputs["report"])
+                                    "export": export, **result.to_json(), **extra}), report_path)
 
 
 @cli.command("split", epilog=EXIT_CODES_HELP)
 @click.argument("step_model", type=click.Path(path_type=str))
 @click.option("-o", "--output-dir", "output_dir", required=True, type=click.Path(path_type=str),
-              help="An existing folder: gradient.onnx and update.onnx are written there.")
+              help="The folder to write gradient.onnx and update.onnx to (created when missing; its parent must "
+                   "exist).")
 @click.option("-f", "--force", is_flag=True, hidden=True, help="Accepted for old scripts; outputs are always replaced.")
 def split_cmd(step_model, output_dir, force):
     """Cut a step graph (build-grad --optimizer) in two at the gradients: gradient.onnx (data and parameters
@@ -508,14 +611,31 @@ def split_cmd(step_model, output_dir, force):
     from .loader import read_model
     from .split import split_step_graph
 
-    if not os.path.isdir(output_dir):
-        raise UsageError(f"--output-dir {output_dir}: no such folder")
-    paths = {name: check_output_path(os.path.join(output_dir, f"{name}.onnx"), [step_model], force)
-             for name in ("gradient", "update")}
-    split = split_step_graph(read_model(step_model))
-    for name, model in (("gradient", split.gradient), ("update", split.update)):
-        save_model(model, paths[name])
-        click.echo(str(paths[name]))
+    folder = Path(output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--output-dir {folder}: is a file; give a folder (it is created when missing)")
+    created = not folder.exists()
+    if created:
+        if not folder.parent.resolve().is_dir():
+            raise OutputError(f"--output-dir {folder}: folder {folder.parent} does not exist")
+        try:
+            folder.mkdir()
+        except OSError as e:
+            raise OutputError(f"--output-dir {folder}: cannot create it ({e.strerror or e})") from None
+    try:
+        paths = OutputPaths([step_model])
+        targets = {name: paths.claim(folder / f"{name}.onnx", None, f"the {name} graph")
+                   for name in ("gradient", "update")}
+        for target in list(targets.values()):
+            paths.claim_data(target)
+        split = split_step_graph(read_model(step_model))
+        for name, model in (("gradient", split.gradient), ("update", split.update)):
+            save_model(model, targets[name])
+            click.echo(str(targets[name]))
+    except BaseException:
+        if created and not any(folder.iterdir()):  # a failed run leaves no folder behind either
+            folder.rmdir()
+        raise
     log.info("%d parameters; optimizer nodes from the %s; %d + %d nodes", len(split.parameters),
              "onnxgrad.phases metadata" if split.phase_source == "metadata" else "graph's structure",
              len(split.gradient.graph.node), len(split.update.graph.node))
@@ -530,7 +650,7 @@ def ops_cmd(markdown, report, force):
     """List every op with a gradient rule, its opset range and limits, and the ops that pass no gradient."""
     from . import registry
     from .ops_table import ops_table
-    report_path = check_output_path(report, [], force) if report else None
+    report_path = OutputPaths([]).claim(report, "--report", "the report") if report else None
     text = ops_table(markdown)
     if report_path:
         rules = [{"op": r.op_type, "since": r.since, "until": None if r.until >= registry.INF else r.until,
@@ -555,7 +675,7 @@ def ops_cmd(markdown, report, force):
 @click.option("--loss", metavar="NAME", multiple=True,
               help="The loss output(s). Default: the onnxgrad.loss metadata that build-grad writes.")
 @click.option("--dim", metavar="SYMBOL=N", multiple=True,
-              help="Size of a symbolic dimension for the random data (default 2).")
+              help="Size of a symbolic dimension for the random data (default 2; once per symbol).")
 @click.option("--report", metavar="FILE.json", type=click.Path(path_type=str),
               help="Also write the table as JSON (written when a gradient is off, too).")
 @click.option("-f", "--force", is_flag=True, hidden=True, help="Accepted for old scripts; outputs are always replaced.")
@@ -564,12 +684,13 @@ def check_cmd(train_model, samples, seed, tol, tol32, precision, loss, dim, repo
     compare each <param>_grad output with central finite differences of the loss, for a sample of elements
     of every parameter; in float64 where the graph allows. Prints a table; exits 6 when a gradient is off."""
     from .check import check_training_graph
-    from .loader import parse_dim_bindings, read_model
+    from .loader import read_model
 
-    report_path = check_output_path(report, [train_model], force) if report else None
+    dims = _dims(dim)
+    report_path = OutputPaths([train_model]).claim(report, "--report", "the report") if report else None
     model = read_model(train_model)
     result = check_training_graph(model, loss=_names(loss) or None, samples=samples, seed=seed, tol=tol,
-                                  tol32=tol32, dims=parse_dim_bindings(list(dim)), precision=precision)
+                                  tol32=tol32, dims=dims, precision=precision)
     code = 0 if result.passed else GradientCheckError.exit_code
     if report_path:
         save_json(_report("check", {"input": train_model, "exit_code": code, **result.to_json()}), report_path)
@@ -595,7 +716,9 @@ def materialize_cmd(model, output, seed, no_calibrate, force):
     from .loader import read_model
     from .materialize import materialize
 
-    out = check_output_path(output, [model], force)
+    paths = OutputPaths([model])
+    out = paths.claim(output, "-o", "the output model")
+    paths.claim_data(out)
     result, report = materialize(read_model(model), seed=seed, calibrate=not no_calibrate)
     save_model(result, out)
     log.info("%s: %d placeholders and %d constants -> initializers, %s parameters, %d layers calibrated", out,
@@ -616,7 +739,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.flush()
             os._exit(e.exit_code)
         return e.exit_code
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as e:
+        if isinstance(e.__cause__, EOFError):  # click turns an EOFError from anywhere into Abort: not a Ctrl-C
+            return _internal_error(e.__cause__, verbose)
         click.echo("onnxgrad: interrupted", err=True)
         return 130
     except click.ClickException as e:
@@ -626,12 +751,16 @@ def main(argv: list[str] | None = None) -> int:
         click.echo("onnxgrad: interrupted", err=True)
         return 130
     except Exception as e:  # a bug: still one line, unless --verbose
-        if verbose:
-            traceback.print_exc()
-        first = str(e).splitlines()[0] if str(e) else ""
-        click.echo(f"onnxgrad: internal error: {type(e).__name__}: {first} (rerun with --verbose and report it)",
-                   err=True)
-        return InternalError.exit_code
+        return _internal_error(e, verbose)
+
+
+def _internal_error(e: BaseException, verbose: bool) -> int:
+    if verbose:
+        traceback.print_exception(e)
+    first = str(e).splitlines()[0] if str(e) else ""
+    click.echo(f"onnxgrad: internal error: {type(e).__name__}: {first} (rerun with --verbose and report it)",
+               err=True)
+    return InternalError.exit_code
 
 
 if __name__ == "__main__":

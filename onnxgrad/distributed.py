@@ -1,5 +1,5 @@
 """Data-parallel training on torch.distributed: one process per device, each running the step graph on its
-shard of every batch, launched by torchrun (`torchrun --nproc-per-node N -m onnxgrad.cli train ...`).
+shard of every batch, launched by torchrun (`torchrun --nproc-per-node N -m onnxgrad train ...`).
 
 The step graph is split (split.py) into a gradient graph and an update graph. A step is:
 
@@ -189,7 +189,7 @@ class DataParallelTrainer(StepGraphTrainer):
             missing = [v for v in LAUNCH_VARIABLES if v not in os.environ]
             if missing:
                 raise UsageError(f"data-parallel training is launched by torchrun, which sets {', '.join(missing)}: "
-                                 f"torchrun --nproc-per-node N -m onnxgrad.cli train ...")
+                                 f"torchrun --nproc-per-node N -m onnxgrad train ...")
             if self.device == "cuda":
                 torch.cuda.set_device(self.device_id)
             try:

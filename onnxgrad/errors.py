@@ -31,6 +31,12 @@ class GradientCheckError(OnnxgradError):
     exit_code = 6
 
 
+class NonFiniteError(OnnxgradError):
+    """`onnxgrad train`: the loss or a parameter became NaN or infinite, so training stopped."""
+
+    exit_code = 8
+
+
 class InternalError(OnnxgradError):
     """onnxgrad produced something wrong: a bug to report."""
 

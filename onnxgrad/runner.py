@@ -16,6 +16,7 @@ host.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -32,7 +33,7 @@ from onnx import helper, numpy_helper
 
 from . import runtime
 from .contract import CHECKPOINT_KEY, GRAD_SUFFIX, LOSS_FN_KEY, LOSS_KEY, LR_INPUT, STATE_KEY, TRAINING_METADATA
-from .errors import InvalidModelError, UsageError
+from .errors import InvalidModelError, NonFiniteError, UsageError
 from .io import atomic_write_bytes, save_model
 from .loader import read_model
 
@@ -98,11 +99,12 @@ def run_training_graph(model: onnx.ModelProto, steps: int = 1, lr: float = 0.1, 
     inferred = onnx.shape_inference.infer_shapes(model)
     feeds = random_feeds(inferred, dims or {}, seed, skip=set(params))
     if data:
-        with np.load(data) as arrays:
-            unknown = sorted(set(arrays.files) - set(feeds))
-            if unknown:
-                raise UsageError(f"--data {data}: {unknown[0]!r} is not a data input of the model")
-            feeds.update({k: arrays[k] for k in arrays.files})
+        arrays = read_npz(data, "--data")
+        unknown = sorted(set(arrays) - set(feeds))
+        if unknown:
+            raise UsageError(f"--data {data}: {unknown[0]!r} is not a data input of the model")
+        check_labels(inferred, arrays, f"--data {data}")
+        feeds.update(arrays)
     sess = runtime.session(model, provider)
     outputs = [o.name for o in sess.get_outputs()]
     loss_name = outputs[0]
@@ -218,6 +220,7 @@ class Batches:
             raise UsageError(f"--batch {batch}: larger than the data's {self.rows} rows")
         self.per_epoch = self.rows // batch if drop_last else -(-self.rows // batch)
         self._order_epoch, self._order = None, None
+        self._fingerprint: str | None = None
 
     def __len__(self) -> int:
         return self.per_epoch
@@ -241,7 +244,19 @@ class Batches:
     def record(self) -> dict:
         """What a checkpoint keeps to check that a resumed run sees the same batches."""
         return {"seed": self.seed, "batch": self.batch, "rows": self.rows, "shuffle": self.shuffle,
-                "drop_last": self.drop_last}
+                "drop_last": self.drop_last, "data": self.fingerprint()}
+
+    def fingerprint(self) -> str:
+        """A hash of the data (names, types, shapes and bytes, as fed), so that a resumed run on other data of
+        the same row count is refused. Computed once, when a checkpoint is written or read."""
+        if self._fingerprint is None:
+            h = hashlib.blake2b(digest_size=16)
+            for name in sorted(self.arrays):
+                a = np.ascontiguousarray(self.arrays[name])
+                h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+                h.update(a.reshape(-1).view(np.uint8) if a.size else b"")
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
 
 @dataclass
@@ -393,26 +408,36 @@ class StepGraphTrainer:
 
     # -- the loop -------------------------------------------------------------------------------------------
 
-    def fit(self, data: str | os.PathLike | dict[str, np.ndarray], *, steps: int | None = None,
+    def fit(self, data: str | os.PathLike | dict[str, np.ndarray] | Batches, *, steps: int | None = None,
             epochs: int | None = None, batch: int | None = None, seed: int = 0, shuffle: bool = True,
             drop_last: bool = True, checkpoint: str | os.PathLike | None = None,
-            checkpoint_every: int | None = None, progress: str = "off", log_every: int | None = None
-            ) -> TrainResult:
+            checkpoint_every: int | None = None, progress: str = "off", log_every: int | None = None,
+            allow_nonfinite: bool = False) -> TrainResult:
         """Train until `steps` steps or `epochs` epochs have run since the start (whichever comes first; one
         epoch when neither is given), counting steps restored by `load_checkpoint`, so that the same call
         after a resume finishes an interrupted run. Saves a checkpoint every `checkpoint_every` steps and at
-        the end when `checkpoint` is given. `progress`: "auto", "bar", "lines" or "off" (see `Progress`)."""
-        arrays = load_data(data, self.graph) if not isinstance(data, dict) else check_data(data, self.graph)
-        batches = Batches(arrays, self._batch_size(batch, arrays), seed, shuffle, drop_last)
-        if self.resumed is not None:
-            for key, value in batches.record().items():
-                if self.resumed.get(key) != value:
-                    raise UsageError(f"--resume: the checkpoint was made with {key} {self.resumed.get(key)}, "
-                                     f"this run has {value}; the batches would differ")
+        the end when `checkpoint` is given. `progress`: "auto", "bar", "lines" or "off" (see `Progress`).
+        `data` may be `Batches` made by `batches` (then `batch`, `seed`, `shuffle` and `drop_last` are its own).
+
+        A loss that is NaN or infinite stops training with `NonFiniteError` (unless `allow_nonfinite`), and so
+        does a checkpoint due while a parameter is: no checkpoint is written after the state went bad, so the
+        last one written stays the last good one."""
+        batches = data if isinstance(data, Batches) else self.batches(data, batch, seed, shuffle, drop_last)
         limits = [n for n in (steps, epochs * len(batches) if epochs is not None else None) if n is not None]
         target = min(limits) if limits else len(batches)
         result = TrainResult(first_step=self.steps_done + 1, batch=batches.batch)
         progress = Progress(target, batches.batch, mode=progress, every=log_every)
+        saved = {"step": None}   # the step of the last checkpoint this call wrote
+
+        def save() -> None:
+            if not allow_nonfinite:
+                bad = next((name for name, value in self.parameters().items() if not np.isfinite(value).all()), None)
+                if bad is not None:
+                    raise NonFiniteError(f"step {self.steps_done}: parameter {bad!r} holds NaN or infinite values; "
+                                         f"training stopped, {_kept(checkpoint, saved['step'])}; "
+                                         f"--allow-nonfinite trains on")
+            self.save_checkpoint(checkpoint, batches)
+            saved["step"] = self.steps_done
         try:
             while self.steps_done < target:
                 feeds = batches[self.steps_done]
@@ -421,8 +446,12 @@ class StepGraphTrainer:
                 result.step_seconds.append(time.perf_counter() - started)
                 result.losses.append(loss)
                 progress.update(self.steps_done, loss, result.step_seconds[-1])
+                if not allow_nonfinite and not math.isfinite(loss):
+                    progress.finish()
+                    raise NonFiniteError(f"step {self.steps_done}: the loss is {loss} (NaN or infinite); training "
+                                         f"stopped, {_kept(checkpoint, saved['step'])}; --allow-nonfinite trains on")
                 if checkpoint is not None and checkpoint_every and self.steps_done % checkpoint_every == 0:
-                    self.save_checkpoint(checkpoint, batches)
+                    save()
         except KeyboardInterrupt:
             # A step either completed (the buffers were swapped) or did not count, so the state is whole.
             progress.finish()
@@ -431,9 +460,27 @@ class StepGraphTrainer:
             raise
         progress.finish()
         if checkpoint is not None:
-            self.save_checkpoint(checkpoint, batches)
+            save()
         result.epochs = self.steps_done / len(batches)
         return result
+
+    def batches(self, data: str | os.PathLike | dict[str, np.ndarray], batch: int | None = None, seed: int = 0,
+                shuffle: bool = True, drop_last: bool = True) -> Batches:
+        """The data read and checked (arrays, labels in range), cut into batches; after `load_checkpoint`, also
+        checked to be the data and settings the checkpoint was made with. `fit` calls it; a caller may call it
+        first to fail before any other work."""
+        arrays = load_data(data, self.graph) if not isinstance(data, dict) else check_data(data, self.graph)
+        batches = Batches(arrays, self._batch_size(batch, arrays), seed, shuffle, drop_last)
+        if self.resumed is not None:
+            for key, value in batches.record().items():
+                if key == "data" and "data" not in self.resumed:
+                    continue  # a checkpoint written before fingerprints were kept
+                if self.resumed.get(key) != value:
+                    had = "other data" if key == "data" else f"{key} {self.resumed.get(key)}"
+                    now = "this --data differs" if key == "data" else f"this run has {value}"
+                    raise UsageError(f"--resume: the checkpoint was made with {had}, {now}; the batches would "
+                                     f"differ")
+        return batches
 
     def _batch_size(self, batch: int | None, arrays: dict[str, np.ndarray]) -> int:
         """--batch, or the first dimension the graph fixes for its data inputs, or 32 rows (at most all)."""
@@ -501,17 +548,22 @@ class StepGraphTrainer:
             save_model(model, Path(path))
         return model
 
+    def check_export(self, forward: onnx.ModelProto | None = None) -> None:
+        """What `export(forward=...)` would refuse, found before training: a trained parameter that `forward`
+        lacks, or has with another shape or type."""
+        if forward is not None:
+            _matching_initializers(forward, {name: self.graph.initial[name] for name in self.graph.parameters})
+
 
 def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     """The record and the state values of a checkpoint written by `save_checkpoint`."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"--resume {path}: no such file")
+    files = read_npz(path, "--resume")
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            files = {k: npz[k] for k in npz.files}
         record = json.loads(str(files.pop(CHECKPOINT_KEY)))
-    except (KeyError, ValueError, OSError) as e:
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError("no step count")
+    except (KeyError, ValueError) as e:
         raise UsageError(f"--resume {path}: not an onnxgrad checkpoint ({type(e).__name__})") from None
     if record.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"--resume {path}: checkpoint format {record.get('format')}, "
@@ -522,15 +574,28 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray
 # -- data ----------------------------------------------------------------------------------------------------
 
 def load_data(path: str | os.PathLike, graph: StepGraph) -> dict[str, np.ndarray]:
+    return check_data(read_npz(path, "--data"), graph, f"--data {path}")
+
+
+def read_npz(path: str | os.PathLike, flag: str) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file; an empty, truncated or corrupt file, or one that is not an .npz archive (a
+    lone .npy array, a pickle), is one usage error naming the flag and the file."""
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"--data {path}: no such file")
+        raise UsageError(f"{flag} {path}: {'is a directory' if path.is_dir() else 'no such file'}")
+    if path.stat().st_size == 0:
+        raise UsageError(f"{flag} {path}: empty file, not an .npz archive")
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except (ValueError, OSError) as e:
-        raise UsageError(f"--data {path}: not a readable .npz file ({str(e).splitlines()[0][:200]})") from None
-    return check_data(arrays, graph, f"--data {path}")
+        with np.load(path, allow_pickle=False) as loaded:
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise UsageError(f"{flag} {path}: one .npy array, not an .npz archive of named arrays; write it with "
+                                 f"numpy.savez(path, name=array, ...)")
+            return {k: loaded[k] for k in loaded.files}
+    except UsageError:
+        raise
+    except Exception as e:  # numpy and zipfile report a short or corrupt file with many exception types
+        text = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise UsageError(f"{flag} {path}: not a readable .npz archive ({text})") from None
 
 
 def check_data(arrays: dict[str, np.ndarray], graph: StepGraph, source: str = "data") -> dict[str, np.ndarray]:
@@ -567,7 +632,39 @@ def check_data(arrays: dict[str, np.ndarray], graph: StepGraph, source: str = "d
         out[name] = a
     if not out:
         raise UsageError(f"{source}: the step graph has no data inputs to feed")
+    check_labels(graph.model, out, source)
     return out
+
+
+def check_labels(model: onnx.ModelProto, arrays: dict[str, np.ndarray], source: str) -> None:
+    """Class labels that a cross-entropy node reads (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss) must
+    lie in [0, C) for C classes, or equal the node's ignore_index; onnxruntime would fail in the middle of a
+    run with a message that names neither the input nor the value."""
+    classes = _class_counts(model)
+    ignore = {n.input[1]: next((a.i for a in n.attribute if a.name == "ignore_index"), None)
+              for n in model.graph.node if n.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+              and len(n.input) > 1}
+    for name, count in classes.items():
+        a = arrays.get(name)
+        if a is None or a.size == 0 or a.dtype.kind not in "iu":
+            continue
+        bad = (a < 0) | (a >= count)
+        if ignore.get(name) is not None:
+            bad &= a != ignore[name]
+        if bad.any():
+            index = np.unravel_index(int(np.argmax(bad)), a.shape)
+            kept = f", or the ignore_index {ignore[name]}" if ignore.get(name) is not None else ""
+            raise UsageError(f"{source}: {name!r} holds {a[index]} at index {list(map(int, index))}, not a class "
+                             f"index in [0, {count}) of the cross-entropy's {count} classes{kept}")
+
+
+def _kept(checkpoint: str | os.PathLike | None, step: int | None) -> str:
+    """What a stopped run leaves behind, for its message."""
+    if checkpoint is None:
+        return "no checkpoint asked for (--checkpoint)"
+    if step is None:
+        return f"{checkpoint} not written by this run"
+    return f"{checkpoint} kept at step {step}"
 
 
 def _dims(vi: onnx.ValueInfoProto) -> list[int | str | None] | None:
@@ -632,17 +729,24 @@ def strip_step_graph(graph: StepGraph, params: dict[str, np.ndarray]) -> onnx.Mo
 
 def _substitute(forward: onnx.ModelProto, params: dict[str, np.ndarray]) -> onnx.ModelProto:
     """`forward` with the values of its initializers named like a trained parameter replaced."""
+    inits = _matching_initializers(forward, params)
+    for name, value in params.items():
+        inits[name].CopyFrom(numpy_helper.from_array(value, name))
+    return forward
+
+
+def _matching_initializers(forward: onnx.ModelProto, params: dict[str, np.ndarray]) -> dict[str, onnx.TensorProto]:
+    """The initializers of `forward` by name, after checking that each parameter has one of its shape and type."""
     inits = {t.name: t for t in forward.graph.initializer}
     for name, value in params.items():
         t = inits.get(name)
         if t is None:
             raise UsageError(f"--forward: the model has no initializer {name!r} for the trained parameter")
-        old = numpy_helper.to_array(t)
-        if old.shape != value.shape or old.dtype != value.dtype:
-            raise UsageError(f"--forward: initializer {name!r} is {old.dtype}{list(old.shape)}, the trained "
+        shape, dtype = tuple(t.dims), np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+        if shape != value.shape or dtype != value.dtype:
+            raise UsageError(f"--forward: initializer {name!r} is {dtype}{list(shape)}, the trained "
                              f"parameter is {value.dtype}{list(value.shape)}")
-        t.CopyFrom(numpy_helper.from_array(value, name))
-    return forward
+    return inits
 
 
 # -- progress ------------------------------------------------------------------------------------------------

@@ -442,7 +442,7 @@ def test_in_a_fresh_process(tmp_path, case_id):
     _, which, args, code, message = next(c for c in MATRIX if c[0] == case_id)
     names = prepare(tmp_path, case_id, which)
     before = snapshot(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "onnxgrad.cli", *[a.format(**names) for a in args]],
+    proc = subprocess.run([sys.executable, "-m", "onnxgrad", *[a.format(**names) for a in args]],
                           capture_output=True, text=True)
     assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, code, message.format(**names))
     assert snapshot(tmp_path) == before

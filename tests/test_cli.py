@@ -12,7 +12,7 @@ from onnx import helper as h
 
 
 def cli(*args):
-    proc = subprocess.run([sys.executable, "-m", "onnxgrad.cli", *map(str, args)], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "onnxgrad", *map(str, args)], capture_output=True, text=True)
     return proc.returncode, proc.stdout, proc.stderr
 
 

@@ -56,7 +56,7 @@ def run(path) -> dict[str, np.ndarray]:
 
 def test_build_grad_of_an_external_data_model_writes_external_data(external_model, tmp_path):
     out = tmp_path / "train.onnx"
-    proc = subprocess.run([sys.executable, "-m", "onnxgrad.cli", "build-grad", str(external_model), "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "onnxgrad", "build-grad", str(external_model), "-o", str(out)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "train.onnx", "train.onnx.data", "weights.bin"]
@@ -106,7 +106,7 @@ def test_an_existing_data_file_is_replaced_and_the_input_data_is_never_overwritt
 def test_a_failed_write_leaves_neither_file_nor_temp(external_model, tmp_path, monkeypatch):
     def full_disk(t):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(io.weight_store, "raw_bytes", full_disk)
+    monkeypatch.setattr(weights, "raw_bytes", full_disk)
     assert main(["build-grad", str(external_model), "-o", str(tmp_path / "train.onnx")]) == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "weights.bin"]
 

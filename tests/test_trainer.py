@@ -220,7 +220,7 @@ def test_export_drops_a_loss_that_build_grad_appended(tmp_path):
 def test_cli_trains_reports_checkpoints_and_exports(files, tmp_path):
     step, data = files
     report, export, ck = tmp_path / "r.json", tmp_path / "trained.onnx", tmp_path / "ck.npz"
-    proc = subprocess.run([sys.executable, "-m", "onnxgrad.cli", "train", str(step), "--data", str(data), "--steps",
+    proc = subprocess.run([sys.executable, "-m", "onnxgrad", "train", str(step), "--data", str(data), "--steps",
                            "12", "--batch", "8", "--threads", "1", "--report", str(report), "--export", str(export),
                            "--forward", str(MODELS / "mlp.onnx"), "--checkpoint", str(ck), "--log-every", "4"],
                           capture_output=True, text=True)
@@ -237,7 +237,7 @@ def test_cli_trains_reports_checkpoints_and_exports(files, tmp_path):
         [t.name for t in onnx.load(MODELS / "mlp.onnx").graph.initializer]
     assert ck.exists()
 
-    quiet = subprocess.run([sys.executable, "-m", "onnxgrad.cli", "train", str(step), "--data", str(data),
+    quiet = subprocess.run([sys.executable, "-m", "onnxgrad", "train", str(step), "--data", str(data),
                             "--steps", "14", "--batch", "8", "--resume", str(ck), "--quiet"],
                            capture_output=True, text=True)
     assert quiet.returncode == 0 and quiet.stderr == ""
