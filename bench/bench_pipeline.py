@@ -15,7 +15,9 @@ venv (Python <= 3.11, numpy < 2):
 (its `artifacts` module imports torch, so the venv needs a torch too; the CPU build on local disk will do).
 
 The sides alternate within each round, and the table gives the median wall-clock seconds over the rounds, the
-ratio of the medians, and our build's own `--report` seconds with its slowest passes.
+ratio of the medians, and our build's own `--report` seconds with its slowest passes. Start-up is measured the
+same way on a 1-layer chain (interpreter, imports and a build of 4 nodes): the table gives each side's share of
+its process that start-up is, and the first line the seconds of start-up and of `onnxgrad --version`.
 """
 from __future__ import annotations
 
@@ -64,6 +66,11 @@ def chain(layers: int, width: int = 16, batch: int = 8, seed: int = 0) -> onnx.M
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+def ours_cmd(model: Path, out: Path, report: Path) -> list[str]:
+    return [str(ONNXGRAD), "-q", "build-grad", str(model), "-o", str(out), "--loss-fn", "mse", "--optimizer", "sgd",
+            "--report", str(report)]
+
+
 def timed(cmd: list[str]) -> float:
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -85,14 +92,24 @@ def main(argv=None) -> None:
         tmp = Path(tmp)
         script = tmp / "ortt.py"
         script.write_text(ORT_TRAINING)
+        tiny = tmp / "chain1.onnx"
+        onnx.save(chain(1), tiny)
+        start = {"ours": [], "theirs": [], "version": []}
+        for r in range(args.rounds):
+            start["version"].append(timed([str(ONNXGRAD), "--version"]))
+            start["ours"].append(timed(ours_cmd(tiny, tmp / "tiny.onnx", tmp / "tiny.json")))
+            if args.ort_training:
+                art = tmp / f"tiny_artifacts{r}"
+                art.mkdir()
+                start["theirs"].append(timed([args.ort_training, str(script), str(tiny), str(art)]))
+        startup = {k: statistics.median(v) for k, v in start.items() if v}
         for layers in [int(n) for n in args.layers.split(",")]:
             model = tmp / f"chain{layers}.onnx"
             onnx.save(chain(layers), model)
             ours, theirs, reports = [], [], []
             for r in range(args.rounds):
                 out, report = tmp / "out.onnx", tmp / "report.json"
-                ours.append(timed([str(ONNXGRAD), "-q", "build-grad", str(model), "-o", str(out), "--loss-fn", "mse",
-                                   "--optimizer", "sgd", "--report", str(report)]))
+                ours.append(timed(ours_cmd(model, out, report)))
                 reports.append(json.loads(report.read_text()))
                 if args.ort_training:
                     art = tmp / f"artifacts{layers}_{r}"
@@ -108,12 +125,27 @@ def main(argv=None) -> None:
                 row["ratio"] = row["ours"] / row["theirs"]
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
-    print(f"\n{args.rounds} rounds, medians; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}\n")
-    print("| forward nodes | onnxgrad process s | its build s (slowest passes) | ort-training process s | ours / theirs |")
+    print(f"\n{args.rounds} rounds, medians; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; "
+          f"ml_dtypes {_version('ml_dtypes')}, onnx {onnx.__version__}\n")
+    print(f"start-up (a whole process on a 1-layer chain): onnxgrad {startup['ours']:.2f} s"
+          + (f", ort-training {startup['theirs']:.2f} s" if "theirs" in startup else "")
+          + f"; `onnxgrad --version` {startup['version']:.2f} s\n")
+    print("| forward nodes | onnxgrad process s (start-up share) | its build s (slowest passes) | ort-training process s "
+          "(start-up share) | ours / theirs |")
     print("|---|---|---|---|---|")
     for r in rows:
-        theirs = f"{r['theirs']:.2f} | {r['ratio']:.2f}x" if "theirs" in r else "- | -"
-        print(f"| {r['nodes']} | {r['ours']:.2f} | {r['build']:.2f} ({r['slowest']}) | {theirs} |")
+        ours = f"{r['ours']:.2f} ({startup['ours'] / r['ours']:.0%})"
+        theirs = f"{r['theirs']:.2f} ({startup['theirs'] / r['theirs']:.0%}) | {r['ratio']:.2f}x" if "theirs" in r \
+            else "- | -"
+        print(f"| {r['nodes']} | {ours} | {r['build']:.2f} ({r['slowest']}) | {theirs} |")
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 if __name__ == "__main__":

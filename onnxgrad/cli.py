@@ -358,9 +358,9 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
     if "mirror" in r:
         m = r["mirror"]
         p = m["predicted"]
-        log.info("%s: %d forward nodes recomputed; simulated peak %s -> %s (kept from the forward pass for the "
-                 "backward %s -> %s)", out, len(m["recomputed"]), _mib(p["unmirrored_peak_bytes"]),
-                 _mib(p["peak_bytes"]), _mib(p["unmirrored_saved_bytes"]), _mib(p["saved_bytes"]))
+        log.info("%s: %d forward nodes recomputed; simulated peak %s -> %s (saved for the backward %s -> %s)", out,
+                 len(m["recomputed"]), _mib(p["unmirrored_peak_bytes"]), _mib(p["peak_bytes"]),
+                 _mib(p["unmirrored_saved_bytes"]), _mib(p["saved_bytes"]))
         if "budget_bytes" in m:
             log.info("%s: budget %s (%s), floor %s; %.2f extra forward passes of recomputation (%s solver%s)",
                      out, m["budget"], _mib(m["budget_bytes"]) if m["budget_bytes"] else "auto",
@@ -425,8 +425,8 @@ def memory_cmd(graphs, dim, top, plot, report):
                    f"adds {_mib(t.dynamic_peak)}")
         click.echo("  at the peak: " + ", ".join(f"{AT_PEAK.get(k, k)} {_mib(v)}" for k, v in t.at_peak.items()))
         saved = sum(b for _, b in t.saved)
-        click.echo(f"  kept from the forward pass for the backward (recomputed values not counted): "
-                   f"{len(t.saved)} values, {_mib(saved)}"
+        click.echo(f"  saved for the backward: {len(t.saved)} values, {_mib(saved)} (forward values kept for it; "
+                   f"recomputed values are not counted)"
                    + ("; largest: " + ", ".join(f"{n} {_mib(b)}" for n, b in t.saved[:top]) if top and t.saved
                       else ""))
     if plot_path:
@@ -437,7 +437,7 @@ def memory_cmd(graphs, dim, top, plot, report):
 
 
 # what `memory` prints for a category of simulate.CATEGORIES: the activations alive at the peak include the
-# recomputed ones, which the "kept from the forward pass" line does not count
+# recomputed ones, which the "saved for the backward" line (the forward values kept for it) does not count
 AT_PEAK = {"saved activations": "activations the backward reads (kept or recomputed)"}
 
 
