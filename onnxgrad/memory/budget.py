@@ -1,6 +1,11 @@
 """The least recomputation whose simulated peak fits a memory budget, as a policy that returns a `Plan`.
 
-The training graph becomes a `solver.Problem`: its nodes in schedule order, each with the bytes of its outputs,
+`MirrorOptions` is what the mirror pass is asked (parsed once); `budget_policy` decides and returns a
+`BudgetResult`: the plan and the report (fits, predicted peak, budget, floor, least peak found, cost units,
+solver status and gap). It never edits the graph; `plan.apply` does. When nothing fits it raises `BudgetError`,
+a UsageError that carries the same report, so a report can be written on failure too.
+
+The training graph becomes a `solvers.Problem`: its nodes in schedule order, each with the bytes of its outputs,
 its cost (`cost.py`), the nodes it reads, whether it may run again (a forward node that is not random, writes no
 graph output and is not read by name inside control flow), and the static bytes (weights and graph inputs). A
 solver returns a schedule in which forward nodes may appear again; it becomes a plan (an order of node names with
@@ -12,15 +17,60 @@ solve is repeated under a budget lowered by the excess.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass, field
 
 from ..contract import BACKWARD, FORWARD, RECOMPUTE
 from ..errors import UsageError
 from ..ir import Graph, Node
-from . import solver
+from . import solvers
 from .cost import CostModel
-from .mxnet import RANDOM
+from .mxnet import RANDOM, MirrorFunction, mxnet_plan
 from .plan import Plan, Step
+from .simulate import format_bytes as _mib
+from .simulate import peak_of_plan
+
+SOLVERS = ("fast", "dp", "exact", "milp")
+COSTS = ("model", "profile")
+
+
+@dataclass(frozen=True)
+class MirrorOptions:
+    """What the mirror pass is asked, parsed once. `budget`: bytes, a fraction of the unmirrored peak ("0.4x"),
+    "auto", or None (MXNet's policy); `solver`: fast (default), dp, exact (CP-SAT from the fast plan) or milp
+    (HiGHS); `cost`: model or profile; `time_limit`: seconds for the exact solvers; `work`: the fast solver's
+    effort, in schedule steps (a count, so the plan is the same on every machine)."""
+
+    budget: str | None = None
+    solver: str = "fast"
+    cost: str = "model"
+    time_limit: float = 60.0
+    work: int = solvers.DEFAULT_WORK
+    workers: int = 2
+    save: frozenset[str] = frozenset()
+    recompute: frozenset[str] = frozenset()
+    sweep: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.solver not in SOLVERS:
+            raise UsageError(f"--solver {self.solver}: expected one of {', '.join(SOLVERS)}")
+        if self.cost not in COSTS:
+            raise UsageError(f"--cost {self.cost}: expected model or profile")
+
+    @classmethod
+    def from_dict(cls, options: dict) -> MirrorOptions:
+        """The options as `api.build(mirror_options=...)` and the command line give them (a dict)."""
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise UsageError(f"mirror options: unknown {', '.join(unknown)}")
+        values = {k: v for k, v in options.items() if v is not None}
+        for key in ("save", "recompute"):
+            if key in values:
+                values[key] = frozenset(values[key])
+        if "time_limit" in values:
+            values["time_limit"] = float(values["time_limit"])
+        return cls(**values)
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -60,7 +110,7 @@ def parse_budget(text: str) -> Budget:
 
 
 class BudgetProblem:
-    """A training graph as a `solver.Problem`, and the way back from a solver's schedule to a `Plan`."""
+    """A training graph as a `solvers.Problem`, and the way back from a solver's schedule to a `Plan`."""
 
     def __init__(self, graph: Graph, nbytes: dict[int, int], costs: CostModel, save: set[str] = frozenset(),
                  recompute: set[str] = frozenset()):
@@ -89,7 +139,7 @@ class BudgetProblem:
         statics = {id(v) for v in graph.inputs} | {id(graph.values[t]) for t in graph.initializers
                                                    if t in graph.values}
         statics |= {id(v) for n in self.constants for v in n.outputs if v.name}
-        self.problem = solver.Problem(size, cost, inputs, recomputable, keep, sum(nbytes[i] for i in statics))
+        self.problem = solvers.Problem(size, cost, inputs, recomputable, keep, sum(nbytes[i] for i in statics))
         self.forward_cost = sum(c for c, n in zip(cost, self.nodes) if n.phase == FORWARD)
 
     @staticmethod
@@ -106,7 +156,10 @@ class BudgetProblem:
             return False, "--save"
         return True, "--recompute" if n.name in recompute else ""
 
-    def plan(self, solution: solver.Solution, policy: str) -> Plan:
+    def reasons_of(self, solution: solvers.Solution) -> dict[str, str]:
+        return self.plan(solution, "budget").reasons
+
+    def plan(self, solution: solvers.Solution, policy: str) -> Plan:
         """The solver's schedule as a plan: each node's first run is the node itself, later runs are copies."""
         order: list[Step] = []
         constant_of = {id(v): n for n in self.constants for v in n.outputs}
@@ -140,3 +193,184 @@ class BudgetProblem:
             else:
                 reasons[n.name] = "kept: the backward does not read it"
         return Plan(policy, order, reasons)
+
+
+@dataclass
+class BudgetReport:
+    """What `mirror --report` says about a budgeted plan, also when none fits (`fits` false)."""
+
+    fits: bool
+    budget: str
+    budget_bytes: int | None
+    floor_bytes: int
+    least_peak_found_bytes: int | None
+    predicted_peak_bytes: int | None
+    unmirrored_peak_bytes: int
+    cost_units: str
+    solver: str
+    status: str
+    gap: float | None
+    extra_cost: float | None = None
+    forward_cost: float = 0.0
+    extra_forward_passes: float | None = None
+    extra_flops: float | None = None
+    forward_flops: float = 0.0
+    problem_ops: int = 0
+    solve_seconds: float = 0.0  # a timing: the build report has it, the model's metadata does not
+
+    def record(self) -> dict:
+        """The fields for the model's metadata: everything but timings."""
+        d = asdict(self)
+        d.pop("solve_seconds")
+        return d
+
+
+class BudgetError(UsageError):
+    """No schedule fits the budget; `report` says how close the solvers came."""
+
+    def __init__(self, message: str, report: BudgetReport):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class BudgetResult:
+    plan: Plan
+    report: BudgetReport
+
+
+COST_UNITS = {"model": "FLOP-equivalents (FLOPs + 20 x bytes moved)", "profile": "microseconds (onnxruntime)"}
+
+
+def recompute_costs(graph: Graph, options: MirrorOptions, dims: dict[str, int]):
+    """The price of running each node again: the cost model, or onnxruntime's own time per node (--cost
+    profile, the median of several runs)."""
+    if options.cost == "model":
+        return CostModel(symbols=dict(dims))
+    from .. import weights
+    from .cost import ProfiledCosts, profile_costs
+    proto = graph.to_model(weights_apart=True)
+    weights.join(proto, graph.initializers)
+    return ProfiledCosts(profile_costs(proto, symbols=dict(dims)))
+
+
+def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, options: MirrorOptions,
+                  unmirrored_peak: int, flops: CostModel) -> BudgetResult:
+    """The cheapest plan whose graph peak fits `options.budget` (or, for auto, the least peak one extra forward
+    pass buys). The graph is read, never changed. `flops` prices the report's FLOPs whatever priced the plan."""
+    budget = parse_budget(options.budget or "auto")
+    if options.recompute:
+        raise UsageError("--recompute: with --budget the solver chooses what to recompute; use --save to keep a "
+                         "node")
+    forward = {n.name for n in graph.nodes if n.phase == FORWARD}
+    for name in sorted(options.save - forward):
+        raise UsageError(f"--save {name}: no forward node of that name")
+    started = time.perf_counter()
+    problem = bp.problem
+    least = solvers.floor(problem)
+    wanted = budget.resolve(unmirrored_peak)
+    units = COST_UNITS[options.cost]
+
+    def report(solution: solvers.Solution | None, peak: int | None, found: int | None) -> BudgetReport:
+        extra = solution.extra_cost if solution is not None else None
+        return BudgetReport(
+            fits=solution is not None, budget=budget.text, budget_bytes=wanted, floor_bytes=least,
+            least_peak_found_bytes=found, predicted_peak_bytes=peak, unmirrored_peak_bytes=unmirrored_peak,
+            cost_units=units, solver=solution.solver if solution else options.solver,
+            status=solution.status if solution else "no schedule", gap=solution.gap if solution else None,
+            extra_cost=extra, forward_cost=bp.forward_cost,
+            extra_forward_passes=(extra / bp.forward_cost if bp.forward_cost else 0.0) if extra is not None else None,
+            extra_flops=(sum(flops.flops(bp.nodes[k]) * r for k, r in solution.recomputed.items())
+                         if solution is not None else None),
+            forward_flops=sum(flops.flops(n) for n in bp.nodes if n.phase == FORWARD), problem_ops=problem.n,
+            solve_seconds=round(time.perf_counter() - started, 3))
+
+    if wanted is not None and wanted < least:
+        r = report(None, None, None)
+        raise BudgetError(f"--budget {budget.text}: {_mib(wanted)} is below the least peak any schedule can reach, "
+                          f"{_mib(least)} ({_mib(problem.static_bytes)} of weights and inputs, and the largest "
+                          f"working set of one op)", r)
+    if wanted is not None and wanted >= unmirrored_peak:
+        # nothing to recompute: answered at once, without a search
+        solution = solvers.baseline(problem)
+        plan = Plan("budget", [n.name for n in graph.nodes], bp.reasons_of(solution))
+        return _result(plan, report(solution, unmirrored_peak, None))
+    limits = solvers.Limits(work=options.work, time_limit=options.time_limit, workers=options.workers)
+    front = solvers.front(problem, limits)
+    found = front.least_peak
+    # the problem counts the small Constant nodes as alive throughout, the graph frees them: the problem's
+    # budget is raised by that difference, then lowered by any excess the graph's own peak shows
+    target = None if wanted is None else wanted + max(0, problem.baseline_peak - unmirrored_peak)
+    solution = plan = None
+    peak = None
+    for _ in range(4):
+        solution = _choose(bp, front, options, target, limits)
+        if solution is None:
+            break
+        plan = bp.plan(solution, "budget" if options.solver == "fast" else f"budget-{options.solver}")
+        peak = peak_of_plan(graph, plan.order, nbytes)
+        if wanted is None or peak <= wanted:
+            break
+        target -= peak - wanted
+        solution = plan = None
+    # MXNet's plan is one more candidate: on element-wise tails between heavy ops it is often the cheapest
+    mxnet = mxnet_plan(graph, nbytes, MirrorFunction(graph, set(options.save)))
+    index = {n.name: k for k, n in enumerate(bp.nodes)}
+    mxnet_extra = sum(problem.cost[index[s[0]]] for s in mxnet.order if isinstance(s, tuple) and s[0] in index)
+    mxnet_peak = peak_of_plan(graph, mxnet.order, nbytes)
+    if wanted is None:
+        better = mxnet_extra <= bp.forward_cost and (solution is None or mxnet_peak < peak)
+    else:
+        better = mxnet_peak <= wanted and (solution is None or mxnet_extra < solution.extra_cost)
+    if better:
+        recomputed = {index[s[0]]: 1 for s in mxnet.order if isinstance(s, tuple)}
+        steps = [s[0] if isinstance(s, tuple) else s for s in mxnet.order]
+        solution = solvers.Solution([index[s] for s in steps if s in index], mxnet_peak,
+                                   problem.baseline_cost + mxnet_extra, mxnet_extra, recomputed,
+                                   "mxnet (the cheapest plan that fits)", None, "heuristic")
+        plan, peak = Plan("budget", mxnet.order, mxnet.reasons), mxnet_peak
+    if solution is None:
+        r = report(None, None, found)
+        raise BudgetError(_no_schedule(budget, wanted, least, options.solver, found), r)
+    return _result(plan, report(solution, peak, found))
+
+
+def _result(plan: Plan, report: BudgetReport) -> BudgetResult:
+    plan.extra = report.record()
+    plan.timings = {"solve_seconds": report.solve_seconds}
+    return BudgetResult(plan, report)
+
+
+def _choose(bp: BudgetProblem, front: solvers.Front, options: MirrorOptions, target: int | None,
+            limits: solvers.Limits) -> solvers.Solution | None:
+    """The cheapest schedule under `target` (None: auto, the least peak at most one extra forward pass buys)."""
+    problem = bp.problem
+    if target is None:
+        best = front.least_peak_within(bp.forward_cost * (1 + 1e-9))
+        if best is None or options.solver in ("fast", "dp"):
+            return best
+        target = best.peak
+    else:
+        best = front.best_under(target)
+    if options.solver == "fast":
+        return best
+    if options.solver == "dp":
+        return solvers.dp_front(problem).best_under(target)
+    if options.solver == "exact":
+        return solvers.solve_cp(problem, target, limits, hint=best)
+    try:  # milp: HiGHS; when it finds nothing in time, the fast plan stands
+        exact = solvers.solve_highs(problem, target, limits)
+    except solvers.SolverTimeout:
+        return best
+    if exact is None or (best is not None and best.cost < exact.cost):
+        return best
+    return exact
+
+
+def _no_schedule(budget: Budget, target: int | None, floor: int, which: str, least: int | None) -> str:
+    if target is None:
+        return "--budget auto: no schedule found"
+    reached = f"the least peak it reaches is {_mib(least)}, " if least is not None else ""
+    return (f"--budget {budget.text}: the {which} solver finds no schedule under {_mib(target)} ({reached}and no "
+            f"schedule can go below {_mib(floor)}; give a larger budget"
+            + (" or try --solver exact)" if which in ("fast", "dp") else ")"))

@@ -27,6 +27,7 @@ class Plan:
     reasons: dict[str, str] = field(default_factory=dict)    # forward node -> why it is kept or recomputed
     predicted: dict = field(default_factory=dict)            # the simulator's figures for the planned schedule
     extra: dict = field(default_factory=dict)                # what else the policy reports (cost, solver, ...)
+    timings: dict = field(default_factory=dict)              # seconds: for the build report, never the model
 
     @property
     def recomputed(self) -> list[str]:

@@ -1,0 +1,387 @@
+"""The recomputation problem, its one liveness kernel, and the plans every heuristic solver speaks.
+
+A `Problem` numbers a training graph's ops in the baseline order (forward then backward) and says, per op, the
+bytes of its output, the cost of running it, the ops it reads, whether it may run more than once, and which
+outputs live to the end. A schedule runs the ops in that order, with recomputations inserted. `profile` is the
+one liveness kernel: an output is allocated when its op runs and freed right after its last reader (the model
+onnxruntime applies to our graphs), so every solver is judged by the same simulator that checks the rewritten
+graph.
+
+Plans. A heuristic schedule is built from a plan of one entry per op, in stages like Checkmate's: stage t runs op
+t after recomputing, in index order, whatever op t needs that is not available. An op's entry is a horizon h and
+a reuse stage r: its first run serves readers up to stage h; after that a reader recomputes it, and a copy
+recomputed at stage r or later is held until its last reader (reused), an earlier one serves only the stage that
+made it (recomputed again for every stage that needs it). Named classes of entries:
+  HOLD: h = the end; a checkpoint, held from its one run to its last reader;
+  REUSE: h = the end of the forward region, r = 0; Chen et al.'s segment recomputation;
+  DROP: h = the end of the forward region, r = the end; the inner level of revolve/treeverse;
+  SHORT: h = SHORT_REACH stages after its run, r = the end.
+Plans with a reuse stage per op express revolve's nested checkpoints (a value dropped while an outer segment is
+recomputed, then kept from the stage whose backward sweep stores it), which the block DP (`dp.py`) writes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+
+@dataclass(eq=False)
+class Problem:
+    """One recomputation problem. Ops are numbered in a topological order that is the baseline schedule."""
+
+    size: list[int]  # bytes of op i's output(s)
+    cost: list[float]  # cost of running op i once
+    inputs: list[list[int]]  # ops whose outputs op i reads
+    recomputable: list[bool]  # may op i run more than once
+    keep: set[int]  # ops whose output stays live to the end (graph outputs)
+    static_bytes: int = 0  # bytes live for the whole run (parameters, graph inputs, ...)
+
+    def __post_init__(self) -> None:
+        n = len(self.size)
+        if not (len(self.cost) == len(self.inputs) == len(self.recomputable) == n):
+            raise ValueError(f"problem: size, cost, inputs and recomputable must have one entry per op "
+                             f"({n}, {len(self.cost)}, {len(self.inputs)}, {len(self.recomputable)})")
+        for i, ins in enumerate(self.inputs):
+            for j in ins:
+                if not 0 <= j < i:
+                    raise ValueError(f"problem: op {i} reads op {j}, which does not come before it")
+        if any(s < 0 for s in self.size) or any(c < 0 for c in self.cost) or self.static_bytes < 0:
+            raise ValueError("problem: sizes, costs and static bytes must be non-negative")
+        if any(not 0 <= k < n for k in self.keep):
+            raise ValueError(f"problem: keep names ops outside 0..{n - 1}")
+
+    @property
+    def n(self) -> int:
+        return len(self.size)
+
+    @cached_property
+    def reads(self) -> list[tuple[int, ...]]:
+        """The distinct ops each op reads (an op reading one value twice holds it once)."""
+        return [tuple(sorted(set(ins))) for ins in self.inputs]
+
+    @cached_property
+    def users(self) -> list[list[int]]:
+        users: list[list[int]] = [[] for _ in range(self.n)]
+        for k, ins in enumerate(self.reads):
+            for i in ins:
+                users[i].append(k)
+        return users
+
+    @property
+    def baseline_cost(self) -> float:
+        """Cost of the schedule that runs every op once."""
+        return float(sum(self.cost))
+
+    @property
+    def baseline(self) -> list[int]:
+        return list(range(self.n))
+
+    @cached_property
+    def baseline_peak(self) -> int:
+        """The peak of the baseline schedule (store-all): every budget at or above it is met with no
+        recomputation."""
+        return profile(self, self.baseline).peak
+
+    @cached_property
+    def movable(self) -> list[bool]:
+        """Ops a solver may run more than once: recomputable and not kept (a kept output is computed once)."""
+        return [r and i not in self.keep for i, r in enumerate(self.recomputable)]
+
+    @cached_property
+    def forward_end(self) -> int:
+        """One past the last recomputable op: ops before it form the forward region, whose values the baseline
+        holds for forward readers anyway."""
+        last = max((i for i, r in enumerate(self.movable) if r), default=-1)
+        return last + 1
+
+    @cached_property
+    def forward_cost(self) -> float:
+        """Cost of one run of every movable op: the unit of `extra forward passes`."""
+        return float(sum(c for c, m in zip(self.cost, self.movable) if m))
+
+    @cached_property
+    def cuts(self) -> tuple[list[int], list[list[int]]]:
+        """The forward region's narrow points: see `narrow_points`."""
+        return narrow_points(self)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The liveness kernel
+
+
+@dataclass
+class Simulation:
+    peak: int  # the most bytes live at once, static bytes included
+    peak_step: int  # position in the schedule where the peak is reached (first such)
+    live_after: list[int]  # live bytes right after each step, once its frees are done
+    cost: float  # sum of the cost of every occurrence
+    during: list[int]  # live bytes while each step runs (its inputs and its output together)
+
+
+def profile(problem: Problem, schedule: list[int], check: bool = False) -> Simulation:
+    """Peak and live bytes of a schedule. An output is allocated when its op runs and freed right after the
+    last occurrence that reads it (a read takes the latest earlier occurrence of the producer), or right after
+    its op when nobody reads it; kept outputs are never freed; while an op runs, its inputs and its output are
+    live together. With `check`, a schedule that breaks a rule of the problem raises ValueError naming the
+    first rule broken (solvers skip the checks on schedules they built)."""
+    n = problem.n
+    reads, size = problem.reads, problem.size
+    length = len(schedule)
+    latest = [-1] * n
+    end = list(range(length))  # freed right after itself unless someone reads it later
+    if check:
+        _check(problem, schedule)
+    for p, op in enumerate(schedule):
+        for i in reads[op]:
+            end[latest[i]] = p
+        latest[op] = p
+    for k in problem.keep:
+        if latest[k] >= 0:
+            end[latest[k]] = length
+    freed = [0] * (length + 1)
+    for p, e in enumerate(end):
+        freed[e] += size[schedule[p]]
+    live = problem.static_bytes
+    during = [0] * length
+    live_after = [0] * length
+    peak, peak_step = -1, 0
+    for p, op in enumerate(schedule):
+        live += size[op]
+        during[p] = live
+        if live > peak:
+            peak, peak_step = live, p
+        live -= freed[p]
+        live_after[p] = live
+    cost = problem.cost
+    return Simulation(max(peak, problem.static_bytes), peak_step, live_after,
+                      float(sum(cost[op] for op in schedule)), during)
+
+
+def _check(problem: Problem, schedule: list[int]) -> None:
+    n = problem.n
+    reads, recomputable, keep = problem.reads, problem.recomputable, problem.keep
+    seen = [False] * n
+    count = [0] * n
+    last_fixed = -1
+    for p, op in enumerate(schedule):
+        if not isinstance(op, (int, np.integer)) or not 0 <= op < n:
+            raise ValueError(f"schedule position {p}: {op!r} is not an op index in 0..{n - 1}")
+        for i in reads[op]:
+            if not seen[i]:
+                raise ValueError(f"schedule position {p}: op {op} reads op {i}, which has not run before it")
+        seen[op] = True
+        count[op] += 1
+        if count[op] > 1:
+            if not recomputable[op]:
+                raise ValueError(f"schedule position {p}: op {op} is not recomputable and runs a second time")
+            if op in keep:
+                raise ValueError(f"schedule position {p}: op {op} is kept to the end and runs a second time")
+        if not recomputable[op]:
+            if op < last_fixed:
+                raise ValueError(f"schedule position {p}: non-recomputable op {op} runs after op {last_fixed}, "
+                                 f"out of the baseline order")
+            last_fixed = op
+    missing = [i for i in range(n) if count[i] == 0]
+    if missing:
+        raise ValueError(f"schedule never runs op {missing[0]}" + (f" (and {len(missing) - 1} more)"
+                                                                   if len(missing) > 1 else ""))
+
+
+def validate(problem: Problem, schedule: list[int]) -> None:
+    """Raise ValueError with the reason when `schedule` is not a valid schedule of `problem`: an op that never
+    runs, a read before the producer ran, a second run of a non-recomputable or kept op, or non-recomputable ops
+    out of their baseline order."""
+    _check(problem, schedule)
+
+
+def simulate(problem: Problem, schedule: list[int]) -> Simulation:
+    """`profile` with the schedule checked first."""
+    return profile(problem, schedule, check=True)
+
+
+def floor(problem: Problem) -> int:
+    """A peak no valid schedule can go below.
+
+    When op i runs, these buffers are live at once, and each is a different buffer: the static bytes, i's
+    output, the outputs i reads, and every kept output already computed. A kept output is computed once and
+    never freed, so it is live at i if its op must run before i: an ancestor of i, or (when i is not
+    recomputable) a non-recomputable op before i in the baseline, or an ancestor of one. At the end of any
+    schedule every kept output is live. The floor is the largest of these sums; it is a lower bound, not always
+    reachable (a budget between it and the true least peak gets no schedule from the solvers)."""
+    n = problem.n
+    keep, size, reads = problem.keep, problem.size, problem.reads
+    if n == 0:
+        return problem.static_bytes
+    # kept ancestors as bitsets (Python ints): cheap for the tens or thousands of kept outputs of a real graph
+    bit = {k: 1 << j for j, k in enumerate(sorted(keep))}
+    kept_size = {1 << j: size[k] for j, k in enumerate(sorted(keep))}
+    before = [0] * n  # kept ops that must run before op i (strictly)
+    fixed_prefix = 0  # kept ops that must run before the next non-recomputable op
+    sums: dict[int, int] = {0: 0}
+
+    def bytes_of(mask: int) -> int:
+        total = sums.get(mask)
+        if total is None:
+            total, m = 0, mask
+            while m:
+                low = m & -m
+                total += kept_size[low]
+                m ^= low
+            sums[mask] = total
+        return total
+
+    best = problem.static_bytes + sum(size[k] for k in keep)
+    for i in range(n):
+        mask = 0
+        for j in reads[i]:
+            mask |= before[j] | bit.get(j, 0)
+        if not problem.recomputable[i]:
+            mask |= fixed_prefix
+            fixed_prefix = mask | bit.get(i, 0)
+        before[i] = mask
+        working = size[i] + sum(size[j] for j in reads[i])
+        counted = bit.get(i, 0)
+        for j in reads[i]:
+            counted |= bit.get(j, 0)
+        working += bytes_of(mask & ~counted)
+        best = max(best, problem.static_bytes + working)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Solutions
+
+
+@dataclass
+class Solution:
+    schedule: list[int]
+    peak: int  # simulated
+    cost: float  # of the whole schedule
+    extra_cost: float  # over the baseline, where each op runs once
+    recomputed: dict[int, int]  # op -> how many extra times it runs
+    solver: str
+    gap: float | None = None  # relative optimality gap of the extra cost when known (0.0: proven optimal)
+    status: str = ""  # "optimal", "feasible" (a time limit stopped the proof), "heuristic"
+
+    @property
+    def kept(self) -> list[int]:
+        """Ops that run once (their output is held from its only run to its last reader)."""
+        counted = set(self.recomputed)
+        return sorted(set(self.schedule) - counted)
+
+
+def make_solution(problem: Problem, schedule: list[int], solver: str, gap: float | None = None,
+                  status: str = "") -> Solution:
+    sim = simulate(problem, schedule)
+    runs: dict[int, int] = {}
+    for op in schedule:
+        runs[op] = runs.get(op, 0) + 1
+    recomputed = {op: r - 1 for op, r in sorted(runs.items()) if r > 1}
+    return Solution(list(schedule), sim.peak, sim.cost, sim.cost - problem.baseline_cost, recomputed, solver,
+                    gap, status)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plans and their staged schedules
+
+SHORT, DROP, REUSE, HOLD = 0, 1, 2, 3
+SHORT_REACH = 2
+
+
+def plan_entry(n: int, horizon: int, reuse_from: int) -> int:
+    """One op's plan entry in a problem of n ops (horizon and reuse stage in 0..n; n: the end)."""
+    return horizon * (n + 1) + reuse_from
+
+
+def plan_of_classes(problem: Problem, classes: list[int]) -> tuple[int, ...]:
+    """The plan of one named class per op (ignored for ops that are not movable)."""
+    n, last_forward = problem.n, problem.forward_end - 1
+    hold = plan_entry(n, n, 0)
+    entries = []
+    for i, c in enumerate(classes):
+        if not problem.movable[i] or c == HOLD:
+            entries.append(hold)
+        elif c == SHORT:
+            entries.append(plan_entry(n, min(last_forward, i + SHORT_REACH), n))
+        else:
+            entries.append(plan_entry(n, last_forward, 0 if c == REUSE else n))
+    return tuple(entries)
+
+
+def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
+                   demands: list[list[int]] | None = None) -> list[int]:
+    """The staged schedule of a plan (see the module docstring; entries of ops that are not movable are
+    ignored). `demands`, when given, receives for each op the stages at which something read it."""
+    n = problem.n
+    reads, movable = problem.reads, problem.movable
+    horizon = [plan[i] // (n + 1) if movable[i] else n for i in range(n)]
+    reuse_from = [plan[i] % (n + 1) for i in range(n)]
+    computed_at = [-1] * n  # stage of the latest run of each op
+    schedule: list[int] = []
+    for t in range(n):
+        need = {t}
+        stack = [t]
+        while stack:
+            k = stack.pop()
+            for i in reads[k]:
+                if demands is not None and (not demands[i] or demands[i][-1] != t):
+                    demands[i].append(t)
+                if i in need:
+                    continue
+                at = computed_at[i]
+                if (t <= horizon[i] if at == i else at >= reuse_from[i]):
+                    continue
+                need.add(i)
+                stack.append(i)
+        if len(need) == 1:
+            schedule.append(t)
+            computed_at[t] = t
+        else:
+            for i in sorted(need):
+                schedule.append(i)
+                computed_at[i] = t
+    return schedule
+
+
+MAX_CUT_VALUES = 64  # a position crossed by more values than this is no narrow point
+
+
+def crossings(problem: Problem) -> tuple[list[int], list[list[int]], list[int]]:
+    """Positions in the forward region, for each the movable outputs made at or before it that forward ops
+    after it read (holding those splits the forward region in two), and their bytes. Positions crossed by more
+    than MAX_CUT_VALUES values are left out."""
+    end = problem.forward_end
+    movable, users, size = problem.movable, problem.users, problem.size
+    last_forward_reader = [max((u for u in users[i] if u < end), default=-1) for i in range(problem.n)]
+    open_values: dict[int, None] = {}
+    open_bytes = 0
+    closing: dict[int, list[int]] = {}
+    positions: list[int] = []
+    crossing: list[list[int]] = []
+    weights: list[int] = []
+    for p in range(end):
+        for i in closing.pop(p, ()):
+            del open_values[i]
+            open_bytes -= size[i]
+        if movable[p] and last_forward_reader[p] > p:
+            open_values[p] = None
+            open_bytes += size[p]
+            closing.setdefault(last_forward_reader[p], []).append(p)
+        if not movable[p] or len(open_values) > MAX_CUT_VALUES:
+            continue
+        positions.append(p)
+        # p itself is the cut when nothing crosses (the forward region's last op)
+        crossing.append(list(open_values) or [p])
+        weights.append(open_bytes)
+    return positions, crossing, weights
+
+
+def narrow_points(problem: Problem) -> tuple[list[int], list[list[int]]]:
+    """The positions of `crossings` crossed by no more bytes than about their neighbours, so segments end at
+    the graph's narrow points (articulation points in a residual network), with what crosses each."""
+    positions, crossing, weights = crossings(problem)
+    narrow = [j for j in range(len(positions))
+              if weights[j] == 0 or weights[j] <= 1.5 * min(weights[max(0, j - 1):j + 2])]
+    return [positions[j] for j in narrow], [crossing[j] for j in narrow]
