@@ -42,6 +42,7 @@ TRAIN_EXIT_CODES_HELP = EXIT_CODES_HELP.replace(
 REPORT_VERSION = 1
 # budgets above this are refused rather than printed as a size no machine has
 LARGEST_BUDGET = 2**50
+TIMED_SOLVERS = ("exact", "milp")   # the solvers --time-limit bounds
 
 
 def _report(command: str, body: dict) -> dict:
@@ -267,14 +268,14 @@ def build_grad(mirror, **flags):
                    "peak (0.4x), or auto (the least peak at most one extra forward pass of recomputation "
                    "buys). The peak counts weights, inputs, gradients, saved activations and temporaries. A "
                    "budget below the least peak any schedule reaches is an error that prints that floor.")
-@click.option("--solver", "solver_name", type=click.Choice(["fast", "milp"]),
-              help="With --budget: fast (a search over which values to keep, recomputing a value more than once "
-                   "where cheaper; seconds on 10k-node graphs) or milp (the exact mixed-integer program of "
-                   "Checkmate through HiGHS, for the optimum on small graphs; bounded by --time-limit) "
-                   "[default: fast].")
+@click.option("--solver", "solver_name", type=_Kinds(".memory.solvers", "SOLVERS"),
+              help="With --budget: fast (the default: a front of block-DP plans, segment schemes and a local "
+                   "search; seconds on 10k-node graphs), dp (the block DP alone), exact (CP-SAT from the fast "
+                   "plan: the optimum, or its gap, within --time-limit) or milp (Checkmate's mixed-integer "
+                   "program through HiGHS, for small graphs; within --time-limit).")
 @click.option("--time-limit", type=click.FloatRange(min=1),
-              help="With --solver milp: seconds HiGHS may take (the best schedule found then is used, with its "
-                   "gap in the report) [default: 60].")
+              help="With --solver exact or milp: seconds the solver may take (the best schedule found then is "
+                   "used, with its gap in the report) [default: 60].")
 @click.option("--cost", "cost", type=click.Choice(["model", "profile"]),
               help="With --budget or --sweep: the price of a recomputation. model: FLOPs of the heavy ops from the "
                    "shapes plus 20 x the bytes each op moves; profile: each node's time in onnxruntime on this "
@@ -298,8 +299,8 @@ def mirror_cmd(policy, budget, solver_name, time_limit, cost, sweep, **flags):
         raise UsageError("--budget: goes with --policy budget, not mxnet")
     if solver_name is not None and policy != "budget":
         raise UsageError("--solver: chooses how a --budget is met; give --budget (or --policy budget)")
-    if time_limit is not None and solver_name != "milp":
-        raise UsageError("--time-limit: bounds --solver milp only")
+    if time_limit is not None and solver_name not in TIMED_SOLVERS:
+        raise UsageError(f"--time-limit: bounds --solver {' or '.join(TIMED_SOLVERS)} only")
     if cost is not None and policy != "budget" and not sweep:
         raise UsageError("--cost: prices recomputation for --budget or --sweep; give one of them")
     options = {"budget": budget, "solver": solver_name or "fast", "time_limit": time_limit or 60.0,
