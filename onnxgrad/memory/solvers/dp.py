@@ -30,8 +30,8 @@ import numpy as np
 
 from .problem import Problem, crossings, plan_entry, profile
 
-MAX_BLOCKS = 96  # more narrow points than this are merged into this many blocks (the table is cubic in it)
-LEVELS = 400  # memory levels of the table
+MAX_BLOCKS = 100  # more narrow points than this are merged into this many blocks (the table is cubic in it)
+LEVELS = 240  # memory levels of the table
 
 
 @dataclass
@@ -108,40 +108,42 @@ def table(bl: Blocks, span: int, levels: int = LEVELS, variant: tuple[bool, bool
     L = len(bl.ops)
     unit = max(1, math.ceil(span / levels))
     keep_u, cross_u, base_u = _units(bl, unit, variant)
-    M = levels + 1
+    M = min(levels, math.ceil(span / unit)) + 1
     inf = math.inf
     opt = np.full((L, L, M), inf)
     choice = np.full((L, L, M), -1, dtype=np.int32)
     prefix = np.concatenate([[0.0], np.cumsum(bl.fwd)])
     levels_ = np.arange(M)
 
-    def shifted(row: np.ndarray, by: int) -> np.ndarray:
-        out = np.full(M, inf)
+    # later[j, t] = opt[j, t] shifted by what crosses into block j: the memory left when that is held
+    later = np.full((L, L, M), inf)
+
+    def settle(j: int, t: int) -> None:
+        by = cross_u[j - 1] if j else 0
         if by < M:
-            out[by:] = row[:M - by]
-        return out
+            later[j, t, by:] = opt[j, t, :M - by]
 
     for s in range(L):
         if base_u[s] < M:
             opt[s, s, base_u[s]:] = bl.fwd[s]
-    for span in range(1, L):
-        for s in range(L - span):
-            t = s + span
-            best = bl.fwd[s] + shifted(opt[s + 1, t], keep_u[s])
+        settle(s, s)
+    for width in range(1, L):
+        for s in range(L - width):
+            t = s + width
+            best = np.full(M, inf)
+            k = keep_u[s]
+            if k < M:
+                best[k:] = bl.fwd[s] + opt[s + 1, t, :M - k]
             arg = np.full(M, -1, dtype=np.int32)
             # hold what crosses into block j, for every j in s+1..t at once
-            js = np.arange(s + 1, t + 1)
-            idx = levels_[None, :] - cross_u[js - 1][:, None]
-            later = np.where(idx >= 0, opt[js, t][np.arange(len(js))[:, None], np.maximum(idx, 0)], inf)
-            total_ = (prefix[js] - prefix[s])[:, None] + later + opt[s, js - 1]
-            k = np.argmin(total_, axis=0)
-            value = total_[k, levels_]
+            total_ = (prefix[s + 1:t + 1] - prefix[s])[:, None] + later[s + 1:t + 1, t] + opt[s, s:t]
+            j = np.argmin(total_, axis=0)
+            value = total_[j, levels_]
             with np.errstate(invalid="ignore"):
                 better = value < np.where(np.isfinite(best), best - 1e-9 * np.abs(best), inf)
-            best = np.where(better, value, best)
-            arg = np.where(better, js[k], arg)
-            opt[s, t] = best
-            choice[s, t] = arg
+            opt[s, t] = np.where(better, value, best)
+            choice[s, t] = np.where(better, j + s + 1, arg)
+            settle(s, t)
     return opt, choice, unit
 
 
@@ -169,7 +171,7 @@ def plans(problem: Problem, max_blocks: int = MAX_BLOCKS, levels: int = LEVELS) 
     return list(found)
 
 
-VARIANTS = ((True, True), (False, True), (True, False), (False, False))
+VARIANTS = ((True, False), (False, True))
 
 
 def _plans(problem: Problem, bl: Blocks, levels: int, variant: tuple[bool, bool]) -> list[tuple[int, ...]]:

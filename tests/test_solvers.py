@@ -1,0 +1,135 @@
+"""The solvers package: the block DP is revolve on uniform chains, the DP and the fast solver stay within 10% of
+the exact optimum, CP-SAT proves small optima and is never worse than its hint, a budget at or above the plain
+peak is answered at once, and the budget policy's options, report and determinism."""
+import json
+import time
+from math import comb
+
+import pytest
+
+import onnxgrad
+from onnxgrad.errors import UsageError
+from onnxgrad.memory import solvers
+from onnxgrad.memory.budget import BudgetError, MirrorOptions
+from solver_problems import chain, random_training_dag
+from test_mirror import mlp_tail
+
+WORK = 150_000
+
+
+def revolve_extra(steps: int, snapshots: int) -> int:
+    """Griewank and Walther's closed form: the least forward steps that reverse `steps` steps with `snapshots`
+    checkpoints is t*l - C(s+t, t-1), t the least with C(s+t, s) >= l; less the l-1 steps of one plain pass."""
+    t = 0
+    while comb(snapshots + t, snapshots) < steps:
+        t += 1
+    return t * steps - comb(snapshots + t, t - 1) - (steps - 1)
+
+
+@pytest.mark.parametrize("n", [10, 32, 100])
+def test_dp_is_revolve_on_uniform_chains(n):
+    # a chain's backward holds the gradient in and out: a budget of b leaves b - 2 snapshots
+    p = chain(n)
+    front = solvers.dp_front(p)
+    for budget in range(solvers.floor(p) + 1, p.baseline_peak + 1):
+        assert front.best_under(budget).extra_cost == revolve_extra(n, budget - 2), budget
+
+
+CASES = [("chain", 6, 0), ("chain", 8, 0), ("dag", 8, 1), ("dag", 9, 2), ("dag", 10, 11)]
+
+
+@pytest.mark.parametrize("kind,size,seed", CASES, ids=[f"{k}{n}-{s}" for k, n, s in CASES])
+def test_dp_and_fast_within_10_percent_of_the_optimum(kind, size, seed):
+    problem = chain(size) if kind == "chain" else random_training_dag(size, seed)
+    fast = solvers.front(problem, solvers.Limits(work=WORK))
+    dp = solvers.dp_front(problem)
+    low, top = fast.least_peak, problem.baseline_peak
+    for budget in sorted({low, (2 * low + top) // 3, (low + 2 * top) // 3, top}):
+        exact = solvers.solve_milp(problem, budget, time_limit=30)
+        assert exact.status == "optimal"
+        best = fast.best_under(budget)
+        assert best.extra_cost <= 1.10 * exact.extra_cost + 1e-9, (budget, best.extra_cost, exact.extra_cost)
+        d = dp.best_under(budget)
+        if kind == "chain":
+            assert d.extra_cost <= 1.10 * exact.extra_cost + 1e-9, (budget, d.extra_cost, exact.extra_cost)
+
+
+def test_cp_sat_proves_the_optimum_of_a_small_chain():
+    problem = chain(6)
+    for budget in (4, 5):
+        exact = solvers.solve_cp(problem, budget, solvers.Limits(time_limit=20, workers=1))
+        oracle = solvers.solve_milp(problem, budget, time_limit=20)
+        assert exact.status == "optimal" and exact.gap == 0.0
+        assert exact.peak <= budget and exact.extra_cost == oracle.extra_cost
+        solvers.validate(problem, exact.schedule)
+
+
+def test_cp_sat_is_never_worse_than_its_hint_and_reports_a_gap():
+    problem = random_training_dag(30, 4)
+    front = solvers.front(problem, solvers.Limits(work=WORK))
+    budget = (front.least_peak + problem.baseline_peak) // 2
+    hint = front.best_under(budget)
+    exact = solvers.solve_cp(problem, budget, solvers.Limits(time_limit=2, workers=1), hint=hint)
+    assert exact.cost <= hint.cost + 1e-9 and exact.peak <= budget
+    assert exact.status in ("optimal", "feasible") and exact.gap is not None and 0.0 <= exact.gap <= 1.0
+
+
+def test_a_budget_at_or_above_the_plain_peak_returns_at_once():
+    problem = random_training_dag(2000, 3)
+    started = time.perf_counter()
+    for name in solvers.SOLVERS:
+        solution = solvers.solve(problem, problem.baseline_peak, name)
+        assert solution.extra_cost == 0 and solution.schedule == problem.baseline
+    assert time.perf_counter() - started < 2.0
+
+
+def test_the_front_is_an_object_not_a_cache_on_the_problem():
+    problem = random_training_dag(20, 5)
+    a = solvers.front(problem, solvers.Limits(work=WORK))
+    b = solvers.front(problem, solvers.Limits(work=WORK))
+    assert [(c.peak, c.cost, c.plan) for c in a.points] == [(c.peak, c.cost, c.plan) for c in b.points]
+    assert not [k for k in vars(problem) if "front" in k]
+    peaks = [c.peak for c in a.points]
+    assert peaks == sorted(peaks) and all(x.cost > y.cost for x, y in zip(a.points, a.points[1:]))
+
+
+def test_mirror_options_from_the_dict_the_command_line_gives():
+    o = MirrorOptions.from_dict({"budget": "0.5x", "solver": "exact", "time_limit": 5, "cost": "model",
+                                 "sweep": None, "save": ["a"], "recompute": []})
+    assert o.budget == "0.5x" and o.solver == "exact" and o.time_limit == 5.0 and o.save == frozenset({"a"})
+    with pytest.raises(UsageError, match="--solver best: expected one of fast, dp, exact, milp"):
+        MirrorOptions.from_dict({"solver": "best"})
+    with pytest.raises(UsageError, match="unknown colour"):
+        MirrorOptions.from_dict({"colour": "red"})
+
+
+def test_budgeted_builds_are_byte_identical_and_timings_stay_in_the_report():
+    model = mlp_tail(layers=3, width=16, batch=32)
+    runs = [onnxgrad.build(model, loss_fn="mse", mirror="budget", mirror_options={"budget": "0.6x", "work": WORK})
+            for _ in range(2)]
+    assert runs[0].model.SerializeToString() == runs[1].model.SerializeToString()
+    meta = {p.key: p.value for p in runs[0].model.metadata_props}
+    recorded = json.loads(meta["onnxgrad.mirror"])
+    assert "solve_seconds" not in recorded
+    report = runs[0].report["mirror"]
+    assert report["solve_seconds"] >= 0
+    assert report["fits"] and report["predicted_peak_bytes"] <= report["budget_bytes"]
+    for key in ("floor_bytes", "least_peak_found_bytes", "cost_units", "status", "gap", "solver"):
+        assert key in report
+
+
+def test_a_budget_that_nothing_fits_raises_with_the_report():
+    model = mlp_tail(layers=2, width=16, batch=32)
+    with pytest.raises(BudgetError) as failure:
+        onnxgrad.build(model, loss_fn="mse", mirror="budget", mirror_options={"budget": "1kB", "work": WORK})
+    r = failure.value.report
+    assert not r.fits and r.budget_bytes == 1000 and r.floor_bytes > 1000 and r.status == "no schedule"
+
+
+def test_every_solver_through_the_pass_fits_the_budget():
+    model = mlp_tail(layers=2, width=16, batch=32)
+    for name in ("fast", "dp", "exact", "milp"):
+        r = onnxgrad.build(model, loss_fn="mse", mirror="budget",
+                           mirror_options={"budget": "0.7x", "work": WORK, "solver": name, "time_limit": 5})
+        m = r.report["mirror"]
+        assert m["fits"] and m["predicted"]["peak_bytes"] <= m["budget_bytes"], name
