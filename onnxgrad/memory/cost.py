@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from dataclasses import dataclass, field
 
 from onnx import helper
@@ -173,10 +174,10 @@ _FLOPS = {
 # Measured costs (`--cost profile`)
 
 
-def profile_costs(model, symbols: dict[str, int] | None = None, feeds: dict | None = None, runs: int = 3,
+def profile_costs(model, symbols: dict[str, int] | None = None, feeds: dict | None = None, runs: int = 5,
                   provider: str = "cpu", seed: int = 0) -> dict[str, float]:
-    """Microseconds per run of each node, measured by onnxruntime's profiler: the mean over `runs` runs after a
-    warm-up run. `model` is a ModelProto or a path. Graph optimisations are off, so that every node runs as
+    """Microseconds per run of each node, measured by onnxruntime's profiler: the median over `runs` runs after
+    a warm-up run (a median, so one slow run does not move the plan). `model` is a ModelProto or a path. Graph optimisations are off, so that every node runs as
     itself and its time is its own. Inputs not in `feeds` get seeded random data (zeros for integer and bool
     inputs, which are usually indices and masks), their symbolic dimensions sized through `symbols`."""
     import json
@@ -220,7 +221,7 @@ def profile_costs(model, symbols: dict[str, int] | None = None, feeds: dict | No
             name = e.get("args", {}).get("node_name") or e["name"][:-len("_kernel_time")]
             times.setdefault(name, []).append(float(e["dur"]))
     # the first run of each node is the warm-up
-    return {name: sum(t[1:]) / len(t[1:]) if len(t) > 1 else t[0] for name, t in times.items()}
+    return {name: statistics.median(t[1:]) if len(t) > 1 else t[0] for name, t in times.items()}
 
 
 @dataclass
