@@ -2,6 +2,7 @@
 exact (Checkmate MILP) optimum on small problems.
 
     .venv/bin/python bench/bench_solver.py [--sizes 100,1000,10000] [--milp-time 60] [--no-milp]
+    .venv/bin/python bench/bench_solver.py --solvers [--cp-time 60]     # every solver against the optimum
 
 `--sizes ''` skips the scale table.
 
@@ -23,9 +24,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from onnxgrad.memory.solver import (chain, floor, pareto, random_training_dag,  # noqa: E402
-                                    simulate, solve, solve_milp)
+from onnxgrad.memory import solvers  # noqa: E402
+from onnxgrad.memory.solver import floor, pareto, simulate, solve, solve_milp  # noqa: E402
+from solver_problems import chain, random_training_dag  # noqa: E402
 
 FRACTIONS = (0.3, 0.5, 0.7)
 
@@ -94,12 +97,55 @@ def gap_table(milp_time: float) -> None:
               f"within 5% of total: {sum(t <= 1.05 for t in totals)}/{len(totals)}")
 
 
+def solvers_table(cp_time: float, milp_time: float) -> None:
+    """Per problem and budget: each solver's extra cost and seconds, the best proven optimum (HiGHS on small
+    problems, CP-SAT from the fast plan), and each heuristic's gap to it."""
+    problems = [(f"chain {n}", chain(n)) for n in (10, 32, 100)]
+    problems += [(f"dag 10 seed {s}", random_training_dag(10, s)) for s in (1, 11)]
+    problems += [("dag 30 seed 4", random_training_dag(30, 4))]
+    print("| problem | ops | budget | fast extra | fast s | dp extra | dp s | exact extra (status, gap) | exact s | "
+          "optimum | fast / optimum | dp / optimum |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, problem in problems:
+        started = time.perf_counter()
+        fast = solvers.front(problem)
+        fast_s = time.perf_counter() - started
+        started = time.perf_counter()
+        dp = solvers.dp_front(problem)
+        dp_s = time.perf_counter() - started
+        low, top = fast.least_peak, problem.baseline_peak
+        for j in range(4):
+            budget = low + (top - low) * j // 4
+            f, d = fast.best_under(budget), dp.best_under(budget)
+            started = time.perf_counter()
+            exact = solvers.solve_cp(problem, budget, solvers.Limits(time_limit=cp_time), hint=f)
+            cp_s = time.perf_counter() - started
+            optimum = exact.extra_cost if exact.status == "optimal" else None
+            if optimum is None and problem.n <= 24:
+                m = solvers.solve_milp(problem, budget, time_limit=milp_time)
+                optimum = m.extra_cost if m is not None and m.status == "optimal" else None
+
+            def ratio(s):
+                if s is None or optimum is None:
+                    return "-"
+                return "1.000" if s.extra_cost == optimum else (f"{s.extra_cost / optimum:.3f}" if optimum else "inf")
+            print(f"| {name} | {problem.n} | {budget} | {f.extra_cost:g} | {fast_s:.2f} | "
+                  f"{'none' if d is None else f'{d.extra_cost:g}'} | {dp_s:.2f} | {exact.extra_cost:g} ({exact.status}, "
+                  f"{exact.gap:.0%}) | {cp_s:.1f} | {'-' if optimum is None else f'{optimum:g}'} | {ratio(f)} | "
+                  f"{ratio(d)} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100,1000,10000")
     parser.add_argument("--milp-time", type=float, default=60.0)
     parser.add_argument("--no-milp", action="store_true")
+    parser.add_argument("--solvers", action="store_true", help="only the table of every solver against the optimum")
+    parser.add_argument("--cp-time", type=float, default=60.0)
     args = parser.parse_args()
+    if args.solvers:
+        solvers_table(args.cp_time, args.milp_time)
+        return
     if args.sizes:
         scale_table([int(s) for s in args.sizes.split(",")])
         print()
