@@ -57,3 +57,39 @@ def random_training_dag(forward_ops: int, seed: int = 0, skip: float = 0.3, reac
         cost.append(2 * cost[f])
         recomputable.append(False)
     return Problem(size, cost, inputs, recomputable, {grad[0]}, static_bytes)
+
+
+def tanh_chain(layers: int, width: int = 256, batch: int = 4096):
+    """The training graph of a chain of `layers` Gemm+Tanh layers (width x width weights, an MSE loss) as the
+    budget policy sees it: (its `BudgetProblem`, the graph's simulated unmirrored peak)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxgrad import pipeline
+    from onnxgrad.memory.budget import BudgetProblem
+    from onnxgrad.memory.cost import CostModel
+    from onnxgrad.memory.simulate import simulate, sizes
+    from onnxgrad.passes.mirror import name_every_node
+    from onnxgrad.shapes import type_everything
+
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for i in range(layers):
+        w = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        nodes += [helper.make_node("Gemm", [x, f"w{i}"], [f"z{i}"], name=f"gemm{i}"),
+                  helper.make_node("Tanh", [f"z{i}"], [f"y{i}"], name=f"tanh{i}")]
+        x = f"y{i}"
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [batch, width]) for n in ("x", x)]
+    model = helper.make_model(helper.make_graph(nodes, "tanh_chain", io[:1], io[1:], inits),
+                              opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    onnx.checker.check_model(model)
+    passes = pipeline.training_pipeline()
+    upto = next(k for k, p in enumerate(passes) if p.name == "mirror")
+    build = pipeline.run(pipeline.Build(model, pipeline.Options(loss_fn="mse")), passes[:upto])
+    graph = build.graph
+    type_everything(graph)
+    name_every_node(graph, build.new_names())
+    nbytes = sizes(graph, {})
+    return BudgetProblem(graph, nbytes, CostModel(symbols={})), simulate(graph, nbytes=nbytes).peak

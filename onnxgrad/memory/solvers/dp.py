@@ -36,18 +36,20 @@ LEVELS = 240  # memory levels of the table
 
 @dataclass
 class Blocks:
-    """The forward region in blocks: the movable ops of each, its forward cost, what its backward reads (with
-    what crosses its end), what crosses its end, and the first backward stage that reads it."""
+    """The forward region in blocks: the movable ops of each, its forward cost, what its backward reads (`kept`),
+    what crosses its end (`cross`), and the bytes the recursion holds or needs for each."""
 
     ops: list[list[int]]
     fwd: np.ndarray
     kept: list[list[int]]
     cross: list[list[int]]
-    kept_bytes: np.ndarray
-    cross_bytes: np.ndarray
-    last_bytes: np.ndarray
-    read_bytes: np.ndarray
-    background: np.ndarray
+    keep_bytes: np.ndarray  # what running the block keeping its values holds: kept and cross
+    cross_bytes: np.ndarray  # what holding the block's end holds
+    last_bytes: np.ndarray  # what its backward reads that does not cross its end
+    held_bytes: np.ndarray  # what crosses its end that its own backward reads: held on from the sweep that made it
+    free_bytes: np.ndarray  # what crosses into it that no backward op reads: dead once the block has run for good
+    need: np.ndarray  # the memory its backward needs: its kept values and everything else live then
+    redo: np.ndarray  # whether its backward needs a value of its own that is not held (the block runs again)
     stage: np.ndarray
 
 
@@ -81,62 +83,123 @@ def blocks(problem: Problem, max_blocks: int = MAX_BLOCKS) -> Blocks | None:
         kept.append(back)
         stage.append(min((u for i in mine for u in users[i] if u >= end), default=problem.n))
     cross = [[i for i in c if movable[i]] for c in crossing]
-    kept_bytes = [sum(size[i] for i in set(k) | set(c)) for k, c in zip(kept, cross)]
-    last_bytes = [sum(size[i] for i in set(k) - set(c)) for k, c in zip(kept, cross)]
-    # what else is live while each block is reversed: kept outputs made so far (weight gradients pile up) and
-    # the backward's own working values, from the baseline with every movable value weighing nothing
+    L = len(ops)
+    # The memory the backward of each block needs grows along the backward: the kept outputs made so far
+    # (weight gradients pile up), the graph's outputs and the backward's own working values. It is read off the
+    # baseline with every movable value weighing nothing, over the stretch of the backward that belongs to the
+    # block: from the first backward op that reads its values (or what crosses into it) to the first one that
+    # reads an earlier block's. (The static bytes are outside the table's memory.)
     during = profile(Problem([0 if m else b for m, b in zip(movable, size)], problem.cost, problem.inputs,
                              problem.recomputable, problem.keep), problem.baseline).during
     first_read = [min((u for u in users[i] if u >= end), default=problem.n) for i in range(problem.n)]
     anchor = [min((first_read[i] for i in ops[k] + (cross[k - 1] if k else [])), default=problem.n)
-              for k in range(len(ops))]
-    background = []
-    for k in range(len(ops)):
-        upto = min(anchor[:k], default=problem.n)
-        upto = max(upto, anchor[k] + 1)
-        background.append(max(during[anchor[k]:upto], default=0) if anchor[k] < problem.n else 0)
-    return Blocks(ops, np.array(fwd, dtype=float), kept, cross, np.array(kept_bytes, dtype=float),
-                  np.array([sum(size[i] for i in c) for c in cross], dtype=float), np.array(last_bytes, dtype=float),
-                  np.array([sum(size[i] for i in k) for k in kept], dtype=float), np.array(background, dtype=float), np.array(stage))
+              for k in range(L)]
+    need, redo, held, free = [], [], [], []
+    for k in range(L):
+        upto = max(min(anchor[:k], default=problem.n), anchor[k] + 1)
+        others = max(during[anchor[k]:upto], default=0)
+        mine = set(kept[k])
+        need.append(others + sum(size[i] for i in mine))
+        kept_cross = mine & set(cross[k]) if k < L - 1 else set()
+        held.append(sum(size[i] for i in kept_cross))
+        redo.append(k == L - 1 or bool(mine - kept_cross))
+        free.append(sum(size[i] for i in (cross[k - 1] if k else []) if first_read[i] == problem.n))
+    return Blocks(ops, np.array(fwd, dtype=float), kept, cross,
+                  np.array([sum(size[i] for i in set(k) | set(c)) for k, c in zip(kept, cross)], dtype=float),
+                  np.array([sum(size[i] for i in c) for c in cross], dtype=float),
+                  np.array([sum(size[i] for i in set(k) - set(c)) for k, c in zip(kept, cross)], dtype=float),
+                  np.array(held, dtype=float),
+                  np.array(free, dtype=float), np.array(need, dtype=float), np.array(redo), np.array(stage))
 
 
-def table(bl: Blocks, span: int, levels: int = LEVELS, variant: tuple[bool, bool] = (True, True)
-          ) -> tuple[np.ndarray, np.ndarray, int]:
+@dataclass
+class Model:
+    """A memory model of the recursion, in memory levels. `keep`: what block s holds when it runs keeping its
+    values; `cross`: what holding its end holds; `held`: what of its end the caller holds on into the reversal of
+    a range that ends at it; `free`: what crosses into it that is dead once it has run for good; `leaf`: the
+    least memory its reversal as the last block of a range takes; `need`: what its backward takes when it has
+    run keeping its values (less what `held` and `free` give back); `redo`: whether that reversal runs it
+    again."""
+
+    keep: np.ndarray
+    cross: np.ndarray
+    held: np.ndarray
+    free: np.ndarray
+    leaf: np.ndarray
+    need: np.ndarray
+    redo: np.ndarray
+
+
+def rotor_model(bl: Blocks, unit: int) -> Model:
+    """Rotor's: the input of a range is held through its reversal, every reversal of a block runs it again, and
+    the backward's own memory is not counted (one level for the whole backward)."""
+    u = _levels(unit)
+    zero = np.zeros(len(bl.ops), dtype=int)
+    return Model(u(bl.keep_bytes), u(bl.cross_bytes), zero, zero, u(bl.last_bytes), zero,
+                 np.ones(len(bl.ops), dtype=bool))
+
+
+def growing_model(bl: Blocks, unit: int) -> Model:
+    """The memory that grows along the backward: each block's reversal takes what its backward needs at that
+    point (weight gradients made so far, outputs, the backward's working values); what a block's own backward
+    reads of its end is held on from the sweep that made it rather than made again; and what crosses into a
+    block that no backward op reads is given back once the block has run for good."""
+    u = _levels(unit)
+    held, free, need = u(bl.held_bytes), u(bl.free_bytes), u(bl.need)
+    return Model(u(bl.keep_bytes), u(bl.cross_bytes), held, free, np.maximum(need - held - free, 0), need,
+                 bl.redo)
+
+
+MODELS = (rotor_model, growing_model)
+
+
+def _levels(unit: int):
+    """Bytes in memory levels, to the nearest level (the simulator judges the plans, not these sums)."""
+    return lambda b: np.rint(b / unit).astype(int)
+
+
+def table(bl: Blocks, model: Model, M: int) -> tuple[np.ndarray, np.ndarray]:
     """opt[s, t, m] and the choice made there (-1: block s keeps what its backward reads; j: hold what crosses
-    into block j), over `levels` memory levels m of `unit` bytes each, spanning `span` bytes (the baseline's
-    peak above its static bytes: no plan needs more)."""
+    into block j), over M memory levels. In opt[s, t, m], what crosses into block s and what the model's `held`
+    says of block t's end are held by the caller, outside m."""
     L = len(bl.ops)
-    unit = max(1, math.ceil(span / levels))
-    keep_u, cross_u, base_u = _units(bl, unit, variant)
-    M = min(levels, math.ceil(span / unit)) + 1
+    keep_u, cross_u, held_u, free_u = model.keep, model.cross, model.held, model.free
     inf = math.inf
     opt = np.full((L, L, M), inf)
     choice = np.full((L, L, M), -1, dtype=np.int32)
     prefix = np.concatenate([[0.0], np.cumsum(bl.fwd)])
     levels_ = np.arange(M)
+    leaf_cost = np.where(model.redo, bl.fwd, 0.0)
 
-    # later[j, t] = opt[j, t] shifted by what crosses into block j: the memory left when that is held
+    # later[j, t] = opt[j, t] shifted by what crosses into block j: the memory left when that is held;
+    # sooner[s, t] = opt[s, t] shifted by what block t holds on from the sweep that made it
     later = np.full((L, L, M), inf)
+    sooner = np.full((L, L, M), inf)
 
-    def settle(j: int, t: int) -> None:
-        by = cross_u[j - 1] if j else 0
+    def settle(s: int, t: int) -> None:
+        by = cross_u[s - 1] if s else 0
         if by < M:
-            later[j, t, by:] = opt[j, t, :M - by]
+            later[s, t, by:] = opt[s, t, :M - by]
+        by = held_u[t]
+        if by < M:
+            sooner[s, t, by:] = opt[s, t, :M - by]
 
     for s in range(L):
-        if base_u[s] < M:
-            opt[s, s, base_u[s]:] = bl.fwd[s]
+        if model.leaf[s] < M:
+            opt[s, s, model.leaf[s]:] = leaf_cost[s]
         settle(s, s)
     for width in range(1, L):
         for s in range(L - width):
             t = s + width
             best = np.full(M, inf)
+            # block s runs for good: what it keeps is held, what crosses into it is dead unless read later
             k = keep_u[s]
-            if k < M:
-                best[k:] = bl.fwd[s] + opt[s + 1, t, :M - k]
+            lowest = max(k, model.need[s] - held_u[t] - free_u[s])
+            if lowest < M:
+                best[lowest:] = bl.fwd[s] + opt[s + 1, t, np.minimum(levels_[lowest:] - k + free_u[s], M - 1)]
             arg = np.full(M, -1, dtype=np.int32)
             # hold what crosses into block j, for every j in s+1..t at once
-            total_ = (prefix[s + 1:t + 1] - prefix[s])[:, None] + later[s + 1:t + 1, t] + opt[s, s:t]
+            total_ = (prefix[s + 1:t + 1] - prefix[s])[:, None] + later[s + 1:t + 1, t] + sooner[s, s:t]
             j = np.argmin(total_, axis=0)
             value = total_[j, levels_]
             with np.errstate(invalid="ignore"):
@@ -144,40 +207,32 @@ def table(bl: Blocks, span: int, levels: int = LEVELS, variant: tuple[bool, bool
             opt[s, t] = np.where(better, value, best)
             choice[s, t] = np.where(better, j + s + 1, arg)
             settle(s, t)
-    return opt, choice, unit
-
-
-def _units(bl: Blocks, unit: int, variant: tuple[bool, bool]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Bytes in memory levels, to the nearest level (the simulator judges the plans, not these sums). The
-    variant says whether a block that keeps its values is also charged for what crosses its end that the
-    backward does not read (it is freed as soon as the next block has run, when that block keeps its values
-    too), and whether the backward's own working memory is counted."""
-    charge_cross, background = variant
-    keep_u = np.rint((bl.kept_bytes if charge_cross else bl.read_bytes) / unit).astype(int)
-    cross_u = np.rint(bl.cross_bytes / unit).astype(int)
-    base_u = np.rint((bl.last_bytes + (bl.background if background else 0.0)) / unit).astype(int)
-    return keep_u, cross_u, base_u
+    return opt, choice
 
 
 def plans(problem: Problem, max_blocks: int = MAX_BLOCKS, levels: int = LEVELS) -> list[tuple[int, ...]]:
-    """One plan per distinct recursion of the table, from the least memory level that has one to the most."""
+    """One plan per distinct recursion of each model's table, from the least memory level that has one to the
+    most (levels spanning the baseline's peak above its static bytes: no plan needs more)."""
     bl = blocks(problem, max_blocks)
     if bl is None:
         return []
+    span = max(1, problem.baseline_peak - problem.static_bytes)
+    unit = max(1, math.ceil(span / levels))
+    M = min(levels, math.ceil(span / unit)) + 1
     found: dict[tuple[int, ...], None] = {}
-    for variant in VARIANTS:
-        for plan in _plans(problem, bl, levels, variant):
+    for make in MODELS:
+        model = make(bl, unit)
+        opt, choice = table(bl, model, M)
+        for plan in _plans(problem, bl, model, opt, choice):
             found[plan] = None
     return list(found)
 
 
-VARIANTS = ((True, False), (False, True))
-
-
-def _plans(problem: Problem, bl: Blocks, levels: int, variant: tuple[bool, bool]) -> list[tuple[int, ...]]:
-    opt, choice, unit = table(bl, max(1, problem.baseline_peak - problem.static_bytes), levels, variant)
+def _plans(problem: Problem, bl: Blocks, model: Model, opt: np.ndarray, choice: np.ndarray
+           ) -> list[tuple[int, ...]]:
     L = len(bl.ops)
-    keep_u, cross_u, _ = _units(bl, unit, variant)
+    keep_u, cross_u, held_u, free_u = model.keep, model.cross, model.held, model.free
+    top = opt.shape[2] - 1
     n, last_forward = problem.n, problem.forward_end - 1
     hold = plan_entry(n, n, 0)
     base = [hold if not m else plan_entry(n, last_forward, n) for m in problem.movable]
@@ -205,7 +260,7 @@ def _plans(problem: Problem, bl: Blocks, levels: int, variant: tuple[bool, bool]
                 store(bl.ops[s] if stage is None else bl.kept[s] + bl.ops[s], stage)
                 store(bl.cross[s], stage)
                 if s < t:
-                    stack.append((s + 1, t, mem - keep_u[s], stage))
+                    stack.append((s + 1, t, min(mem - keep_u[s] + free_u[s], top), stage))
                 continue
             store(bl.cross[j - 1], stage)
             # blocks s..j-1 are reversed from the first stage that reads one of their values other than what
@@ -214,7 +269,7 @@ def _plans(problem: Problem, bl: Blocks, levels: int, variant: tuple[bool, bool]
             inner = min((first_read[i] for k in range(s, j) for i in bl.ops[k] if i not in right),
                         default=n)
             # popped last-in first-out: blocks j..t are reversed first, then s..j-1 from the stage they start at
-            stack.append((s, j - 1, mem, inner))
+            stack.append((s, j - 1, mem - held_u[j - 1], inner))
             stack.append((j, t, mem - cross_u[j - 1], stage))
         found[tuple(entries)] = None
     return list(found)
