@@ -208,8 +208,11 @@ def floor(problem: Problem) -> int:
     output, the outputs i reads, and every kept output already computed. A kept output is computed once and
     never freed, so it is live at i if its op must run before i: an ancestor of i, or (when i is not
     recomputable) a non-recomputable op before i in the baseline, or an ancestor of one. At the end of any
-    schedule every kept output is live. The floor is the largest of these sums; it is a lower bound, not always
-    reachable (a budget between it and the true least peak gets no schedule from the solvers)."""
+    schedule every kept output is live. When i is not recomputable, so is every output of a non-recomputable
+    op before i that a non-recomputable op after i reads: both run once, in the baseline order, so its one copy
+    lives across i (the backward's gradients in flight). The floor is the largest of these sums; it is a lower
+    bound, not always reachable (a budget between it and the true least peak gets no schedule from the
+    solvers)."""
     n = problem.n
     keep, size, reads = problem.keep, problem.size, problem.reads
     if n == 0:
@@ -232,6 +235,11 @@ def floor(problem: Problem) -> int:
             sums[mask] = total
         return total
 
+    recomputable = problem.recomputable
+    last_fixed_reader = [max((u for u in problem.users[j] if not recomputable[u]), default=-1) for j in range(n)]
+    closing: dict[int, list[int]] = {}
+    in_flight: set[int] = set()  # outputs of non-recomputable ops that a later non-recomputable op reads
+    in_flight_bytes = 0
     best = problem.static_bytes + sum(size[k] for k in keep)
     for i in range(n):
         mask = 0
@@ -246,6 +254,15 @@ def floor(problem: Problem) -> int:
         for j in reads[i]:
             counted |= bit.get(j, 0)
         working += bytes_of(mask & ~counted)
+        if not recomputable[i]:
+            working += in_flight_bytes - sum(size[j] for j in reads[i] if j in in_flight)
+            for j in closing.pop(i, ()):
+                in_flight.discard(j)
+                in_flight_bytes -= size[j]
+            if i not in keep and last_fixed_reader[i] > i:
+                in_flight.add(i)
+                in_flight_bytes += size[i]
+                closing.setdefault(last_fixed_reader[i], []).append(i)
         best = max(best, problem.static_bytes + working)
     return best
 
