@@ -17,6 +17,7 @@ OPTIMIZER_KEY = "onnxgrad.optimizer"          # the optimizer's settings, as JSO
 STATE_KEY = "onnxgrad.state"                  # state input -> the output that replaces it, as JSON
 PHASES_KEY = "onnxgrad.phases"                # the phase of every node, run-length encoded (see `ir`)
 MIRROR_KEY = "onnxgrad.mirror"                # the recomputation plan a mirror pass applied, as JSON
+BUDGET_KEY = "onnxgrad.budget_bytes"          # mirror --budget: the peak bytes the plan was made to fit
 EXECUTION_ORDER_KEY = "onnxgrad.execution_order"
 DISABLED_OPTIMIZERS_KEY = "onnxgrad.disabled_optimizers"
 MEMORY_REUSE_KEY = "onnxgrad.memory_reuse"
@@ -34,7 +35,7 @@ RUNTIME_HINTS = {
 }
 # Metadata that only means something to a runner of the step graph; an exported forward model drops it.
 TRAINING_METADATA = (STATE_KEY, OPTIMIZER_KEY, LOSS_KEY, LOSS_FN_KEY, EXECUTION_ORDER_KEY, DISABLED_OPTIMIZERS_KEY,
-                     MEMORY_REUSE_KEY, PHASES_KEY, MIRROR_KEY)
+                     MEMORY_REUSE_KEY, PHASES_KEY, MIRROR_KEY, BUDGET_KEY)
 
 # Node phases, in the order a step runs them
 FORWARD, RECOMPUTE, BACKWARD, OPTIMIZER = "forward", "recompute", "backward", "optimizer"

@@ -4,8 +4,30 @@ from __future__ import annotations
 import onnx
 import onnxruntime as ort
 
-from .contract import DISABLED_OPTIMIZERS_KEY, EXECUTION_ORDER_KEY, MEMORY_REUSE_KEY
+from .contract import BUDGET_KEY, DISABLED_OPTIMIZERS_KEY, EXECUTION_ORDER_KEY, MEMORY_REUSE_KEY
 from .errors import UsageError
+
+# glibc's malloc serves blocks above its mmap threshold with their own mapping and unmaps them on free, so the
+# process's resident set follows the tensors alive. By default it raises that threshold after a large block is
+# freed (up to 32 MiB), after which freed tensors stay in the heap and the resident set only grows: one
+# ResNet-50 training step then held 1.4x the bytes ever alive at once. A fixed threshold turns that off.
+MMAP_THRESHOLD = 64 * 1024
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's malloc.h
+_malloc_fixed: bool | None = None
+
+
+def follow_live_bytes() -> bool:
+    """Fix glibc's mmap threshold for this process (once); False where the C library is not glibc."""
+    global _malloc_fixed
+    if _malloc_fixed is None:
+        import ctypes
+        import ctypes.util
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _malloc_fixed = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        except (OSError, AttributeError):
+            _malloc_fixed = False
+    return _malloc_fixed
 
 
 def providers(name: str = "auto") -> list[str]:
@@ -41,8 +63,42 @@ def session_options(model: onnx.ModelProto, threads: int | None = None) -> tuple
         so.execution_order = getattr(ort.ExecutionOrder, order)
     if hints.get(MEMORY_REUSE_KEY) == "off":
         so.enable_mem_reuse = False
+    if keeps_budget(model):
+        # A graph that `mirror --budget` made to fit: its memory is what `memory.simulate` predicts when every
+        # tensor is allocated when made and returned when freed. The CPU arena keeps freed blocks for later
+        # requests (a ResNet-50 step held 1.14x the live bytes in it) and memory patterns allocate a run's
+        # tensors as one block, so both are off, and malloc gives memory back. This costs time: every tensor's
+        # pages are mapped anew (the same step took 3-4x as long on the 2-core machine of BENCHMARKS.md), so
+        # graphs without a budget keep onnxruntime's arena.
+        so.enable_cpu_mem_arena = False
+        so.enable_mem_pattern = False
+        follow_live_bytes()
     disabled = [s for s in hints.get(DISABLED_OPTIMIZERS_KEY, "").split(",") if s]
     return so, {"disabled_optimizers": disabled} if disabled else {}
+
+
+def keeps_budget(model: onnx.ModelProto) -> bool:
+    """Whether the graph records a memory budget its runs must fit (`mirror --budget`)."""
+    return any(p.key == BUDGET_KEY and p.value.isdigit() for p in model.metadata_props)
+
+
+def provider_options(model: onnx.ModelProto, names: list[str]) -> list:
+    """The providers with the options a graph written here needs: CUDA's arena grows by what each request
+    asks (not by doubling, which can reserve up to twice the peak), and a graph that records a memory budget
+    (`mirror --budget`) gets it as the arena's limit, so a run above it fails instead of spilling over."""
+    hints = {p.key: p.value for p in model.metadata_props}
+    if hints.get(MEMORY_REUSE_KEY) != "off":
+        return list(names)
+    out = []
+    for name in names:
+        if name == "CUDAExecutionProvider":
+            options = {"arena_extend_strategy": "kSameAsRequested"}
+            if hints.get(BUDGET_KEY, "").isdigit():
+                options["gpu_mem_limit"] = hints[BUDGET_KEY]
+            out.append((name, options))
+        else:
+            out.append(name)
+    return out
 
 
 def least_ir_version(model: onnx.ModelProto) -> int:
@@ -69,7 +125,8 @@ def model_bytes(model: onnx.ModelProto) -> bytes:
 
 def session(model: onnx.ModelProto, provider: str = "cpu", threads: int | None = None) -> ort.InferenceSession:
     so, extra = session_options(model, threads)
-    return ort.InferenceSession(model_bytes(model), so, providers=providers(provider), **extra)
+    return ort.InferenceSession(model_bytes(model), so, providers=provider_options(model, providers(provider)),
+                                **extra)
 
 
 def training_session(model: onnx.ModelProto, provider: str = "auto", threads: int | None = None,
@@ -89,7 +146,7 @@ def training_session(model: onnx.ModelProto, provider: str = "auto", threads: in
         # error below says why in one line. 2 (warnings) is onnxruntime's default level.
         ort.set_default_logger_severity(4)
     try:
-        sess = ort.InferenceSession(model_bytes(model), so, providers=wanted, **extra)
+        sess = ort.InferenceSession(model_bytes(model), so, providers=provider_options(model, wanted), **extra)
     finally:
         ort.set_default_logger_severity(2)
     on_cuda = "CUDAExecutionProvider" in sess.get_providers()

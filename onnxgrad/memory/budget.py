@@ -28,7 +28,7 @@ from .cost import CostModel
 from .mxnet import RANDOM, MirrorFunction, mxnet_plan
 from .plan import Plan, Step
 from .simulate import format_bytes as _mib
-from .simulate import peak_of_plan
+from .simulate import peak_of_plan, scratch_bytes
 
 SOLVERS = ("fast", "dp", "exact", "milp")
 COSTS = ("model", "profile")
@@ -124,9 +124,10 @@ class BudgetProblem:
         outputs = {id(v) for v in graph.outputs}
         read_by_name = {id(v) for n in graph.nodes for v in n.implicit_inputs}
         self.reasons: dict[str, str] = {}
-        size, cost, inputs, recomputable, keep = [], [], [], [], set()
+        size, cost, inputs, recomputable, keep, scratch = [], [], [], [], set(), []
         for k, n in enumerate(self.nodes):
             size.append(sum(nbytes[id(v)] for v in n.outputs if v.name))
+            scratch.append(scratch_bytes(n, nbytes))
             cost.append(costs.cost(n))
             inputs.append(sorted({index[id(v.producer)] for v in n.all_inputs
                                   if v is not None and v.producer is not None and id(v.producer) in index}))
@@ -139,7 +140,8 @@ class BudgetProblem:
         statics = {id(v) for v in graph.inputs} | {id(graph.values[t]) for t in graph.initializers
                                                    if t in graph.values}
         statics |= {id(v) for n in self.constants for v in n.outputs if v.name}
-        self.problem = solvers.Problem(size, cost, inputs, recomputable, keep, sum(nbytes[i] for i in statics))
+        self.problem = solvers.Problem(size, cost, inputs, recomputable, keep, sum(nbytes[i] for i in statics),
+                                       scratch)
         self.forward_cost = sum(c for c, n in zip(cost, self.nodes) if n.phase == FORWARD)
 
     @staticmethod

@@ -1,11 +1,13 @@
 """What one run of a graph really costs in onnxruntime: peak memory above the session's baseline, and time.
 
-Each measurement runs in a fresh Python process, so no earlier allocation hides in the figure. The session has
-the CPU arena and memory patterns off and glibc's mmap threshold fixed (each tensor is mapped and unmapped as
-it lives, so the resident set follows the live bytes) and the settings of the graph's metadata (node order, CSE off). The process runs the
-graph once to warm up, resets the kernel's high-water mark of its resident set (/proc/self/clear_refs), then
-runs it again: the peak is VmHWM less the resident set just before that run (weights, feeds and the session
-are already counted in the baseline), the figure the simulator calls the dynamic peak.
+Each measurement runs in a fresh Python process, so no earlier allocation hides in the figure. The session is
+made with the graph's own settings (`runtime.session_options`: node order, CSE off) and, by default, allocates as
+onnxgrad's sessions do for a graph with a budget (the CPU arena and memory patterns off, glibc's mmap threshold
+fixed), or, for comparison, with onnxruntime's CPU arena on or glibc's default malloc (`allocator`). The
+process runs the graph twice, each time after resetting the kernel's high-water mark of its resident set
+(/proc/self/clear_refs): the peak is the larger rise of VmHWM over the resident set just before a run (weights,
+feeds and the session are already counted there), the figure the simulator calls the dynamic peak. The first run
+counts because an arena keeps what it reserved then; the second because a run may need more than the first left.
 """
 from __future__ import annotations
 
@@ -15,10 +17,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-# glibc serves large blocks with mmap and gives them back on free, unless it raises its threshold after a free
-# (its default, dynamic behaviour), after which blocks stay in the heap and a warm process's resident set no
-# longer moves. A fixed threshold keeps every tensor above 64 KiB in its own mapping.
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+# How the measuring process allocates: "exact" as onnxgrad's sessions run a graph with a budget (the CPU arena
+# off, glibc's mmap threshold fixed: `runtime.follow_live_bytes`); "arena" with onnxruntime's CPU arena on (a
+# session's default, and onnxgrad's for graphs without a budget) and glibc's default malloc; "glibc" with the
+# arena off and glibc's default malloc (which raises its mmap threshold after large frees, so freed tensors stay
+# resident).
+ALLOCATORS = ("exact", "arena", "glibc")
 
 CHILD = r"""
 import json, sys, time
@@ -33,23 +37,32 @@ def status(key):
     raise RuntimeError(key)
 
 path, level, threads, runs, dims = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5])
+allocator = sys.argv[6]
 model = onnx.load(path)
+fix_malloc = runtime.follow_live_bytes
+runtime.follow_live_bytes = lambda: False  # the allocator is chosen here, not by the graph's metadata
+if allocator == "exact":
+    fix_malloc()
 so, extra = runtime.session_options(model, threads)
-so.enable_cpu_mem_arena = False
+so.enable_cpu_mem_arena = allocator == "arena"
 so.enable_mem_pattern = False
 so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, "ORT_ENABLE_" + level)
 sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], **extra)
 init = {t.name for t in model.graph.initializer}
 feeds = random_feeds(model, dims, 0, init)
 del model
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+base = status("VmRSS")
 sess.run(None, feeds)
+first_peak = status("VmHWM") - base
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 base = status("VmRSS")
 t = time.perf_counter()
 sess.run(None, feeds)
 first = time.perf_counter() - t
-peak = status("VmHWM") - base
+peak = max(status("VmHWM") - base, first_peak)
 times = [first]
 for _ in range(runs - 1):
     t = time.perf_counter()
@@ -60,12 +73,16 @@ print(json.dumps({"peak_bytes": peak, "seconds": times}))
 
 
 def measure(model_path: str | os.PathLike, *, level: str = "BASIC", threads: int = 1, runs: int = 1,
-            dims: dict[str, int] | None = None) -> dict:
+            dims: dict[str, int] | None = None, allocator: str = "exact") -> dict:
     """{"peak_bytes": ..., "seconds": [...]} of `runs` runs of the graph at ORT_ENABLE_<level>, in a fresh
-    process; graph inputs without initializers get seeded random data (`dims` binds symbolic sizes)."""
+    process allocating as `allocator` says (ALLOCATORS); graph inputs without initializers get seeded random
+    data (`dims` binds symbolic sizes)."""
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator {allocator!r}: expected one of {', '.join(ALLOCATORS)}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     proc = subprocess.run([sys.executable, "-c", CHILD, str(model_path), level, str(threads), str(runs),
-                           json.dumps(dims or {})], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": str(threads), **MALLOC})
+                           json.dumps(dims or {}), allocator], capture_output=True, text=True,
+                          env={**env, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode != 0:
         raise RuntimeError(f"measuring {Path(model_path).name} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -9,8 +9,10 @@ contract.RUNTIME_HINTS), the CPU arena and memory patterns off:
 - some kernels take working memory of their own while they run (`scratch_bytes`, measured on onnxruntime's
   CPU kernels): Where selects into two output-sized buffers before it merges them, and ConvTranspose unfolds
   each image into a column buffer.
-onnxruntime may also run an element-wise node in place, writing its output over an input it is the last
-reader of, and Reshape shares its input's buffer; neither is modelled, so the simulation errs on the high side.
+The view ops (Reshape, Flatten, Squeeze, Unsqueeze) share their input's buffer, and so do the nodes onnxruntime's
+basic optimizations remove (Identity, a Cast to the type its input has). onnxruntime may also run an
+element-wise node in place, writing its output over an input it is the last reader of; that is not modelled, so
+the simulation errs on the high side there.
 
 Bytes need every shape known: symbolic dimensions are bound by `dims` (the `--dim` values).
 """
@@ -99,6 +101,19 @@ def _all_values(graph: Graph):
 ALIASES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})  # output shares input 0's buffer
 
 
+def shares_buffer(node: Node) -> bool:
+    """Whether onnxruntime gives the node's output its first input's buffer: the view ops, and the nodes its
+    basic optimizations remove (Identity; a Cast to the type its input already has, as `x.float()` exports)."""
+    if node.domain not in ("", "ai.onnx") or not node.inputs or node.inputs[0] is None or not node.outputs:
+        return False
+    if node.op_type in ALIASES or node.op_type == "Identity":
+        return True
+    if node.op_type == "Cast":
+        source = node.inputs[0].elem_type
+        return bool(source) and node.attr("to") == source
+    return False
+
+
 class _Buffers:
     """Values to buffers: an alias op's output shares its input's buffer, which lives while any of them does."""
 
@@ -146,7 +161,7 @@ def _steps_of(graph: Graph, nbytes: dict[int, int]):
     for n in graph.nodes:
         writes = [id(v) for v in n.outputs if v.name]
         aliased = {}
-        if n.op_type in ALIASES and not n.domain and n.inputs and n.inputs[0] is not None and writes:
+        if writes and shares_buffer(n):
             aliased[writes[0]] = id(n.inputs[0])
         steps.append(([id(v) for v in n.all_inputs if v is not None], writes, aliased, scratch_bytes(n, nbytes)))
     return steps
@@ -290,7 +305,7 @@ def peak_of_plan(graph: Graph, order: list, nbytes: dict[int, int]) -> int:
                     latest[id(v)] = version
                 writes.append((id(v), version))
         aliased = {}
-        if node.op_type in ALIASES and not node.domain and node.inputs and node.inputs[0] is not None and writes:
+        if writes and shares_buffer(node):
             aliased[writes[0]] = reads[0]
         steps.append((reads, writes, aliased, scratch_bytes(node, nbytes)))
     size = _VersionSizes(nbytes)

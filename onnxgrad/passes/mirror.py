@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ..contract import MIRROR_KEY
+from ..contract import BUDGET_KEY, MIRROR_KEY
 from ..errors import UsageError
 from ..memory import plan as plans
 from ..memory import solvers, sweep
@@ -63,6 +63,9 @@ class Mirror(Pass):
                 raise
             plan = result.plan
             timings = plan.timings
+            if result.report.budget_bytes is not None:
+                # runners give it to the allocator as its limit (runtime.provider_options)
+                graph.metadata[BUDGET_KEY] = str(result.report.budget_bytes)
         plans.apply(graph, plan, build.new_names())
         after = simulate(graph, nbytes=sizes(graph, o.dims))
         plan.predicted = {"peak_bytes": after.peak, "unmirrored_peak_bytes": before.peak,

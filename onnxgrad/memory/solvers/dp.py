@@ -90,7 +90,7 @@ def blocks(problem: Problem, max_blocks: int = MAX_BLOCKS) -> Blocks | None:
     # block: from the first backward op that reads its values (or what crosses into it) to the first one that
     # reads an earlier block's. (The static bytes are outside the table's memory.)
     during = profile(Problem([0 if m else b for m, b in zip(movable, size)], problem.cost, problem.inputs,
-                             problem.recomputable, problem.keep), problem.baseline).during
+                             problem.recomputable, problem.keep, scratch=problem.scratch), problem.baseline).during
     first_read = [min((u for u in users[i] if u >= end), default=problem.n) for i in range(problem.n)]
     anchor = [min((first_read[i] for i in ops[k] + (cross[k - 1] if k else [])), default=problem.n)
               for k in range(L)]

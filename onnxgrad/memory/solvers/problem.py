@@ -37,6 +37,7 @@ class Problem:
     recomputable: list[bool]  # may op i run more than once
     keep: set[int]  # ops whose output stays live to the end (graph outputs)
     static_bytes: int = 0  # bytes live for the whole run (parameters, graph inputs, ...)
+    scratch: list[int] | None = None  # working memory op i's kernel takes while it runs (None: none)
 
     def __post_init__(self) -> None:
         n = len(self.size)
@@ -49,6 +50,10 @@ class Problem:
                     raise ValueError(f"problem: op {i} reads op {j}, which does not come before it")
         if any(s < 0 for s in self.size) or any(c < 0 for c in self.cost) or self.static_bytes < 0:
             raise ValueError("problem: sizes, costs and static bytes must be non-negative")
+        if self.scratch is None:
+            self.scratch = [0] * n
+        elif len(self.scratch) != n or any(b < 0 for b in self.scratch):
+            raise ValueError("problem: scratch must have one non-negative entry per op")
         if any(not 0 <= k < n for k in self.keep):
             raise ValueError(f"problem: keep names ops outside 0..{n - 1}")
 
@@ -147,11 +152,12 @@ def profile(problem: Problem, schedule: list[int], check: bool = False) -> Simul
     during = [0] * length
     live_after = [0] * length
     peak, peak_step = -1, 0
+    scratch = problem.scratch
     for p, op in enumerate(schedule):
         live += size[op]
-        during[p] = live
-        if live > peak:
-            peak, peak_step = live, p
+        during[p] = live + scratch[op]
+        if during[p] > peak:
+            peak, peak_step = during[p], p
         live -= freed[p]
         live_after[p] = live
     cost = problem.cost
@@ -249,7 +255,7 @@ def floor(problem: Problem) -> int:
             mask |= fixed_prefix
             fixed_prefix = mask | bit.get(i, 0)
         before[i] = mask
-        working = size[i] + sum(size[j] for j in reads[i])
+        working = size[i] + problem.scratch[i] + sum(size[j] for j in reads[i])
         counted = bit.get(i, 0)
         for j in reads[i]:
             counted |= bit.get(j, 0)
