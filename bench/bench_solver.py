@@ -2,7 +2,8 @@
 exact (Checkmate MILP) optimum on small problems.
 
     .venv/bin/python bench/bench_solver.py [--sizes 100,1000,10000] [--milp-time 60] [--no-milp]
-    .venv/bin/python bench/bench_solver.py --solvers [--cp-time 60]     # every solver against the optimum
+    .venv/bin/python bench/bench_solver.py --solvers [--cp-time 60]     # every solver against the optimum, and
+                                                                        # the Gemm+Tanh chains
 
 `--sizes ''` skips the scale table.
 
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from onnxgrad.memory import solvers  # noqa: E402
 from onnxgrad.memory.solver import floor, pareto, simulate, solve, solve_milp  # noqa: E402
-from solver_problems import chain, random_training_dag  # noqa: E402
+from solver_problems import chain, random_training_dag, tanh_chain  # noqa: E402
 
 FRACTIONS = (0.3, 0.5, 0.7)
 
@@ -135,6 +136,40 @@ def solvers_table(cp_time: float, milp_time: float) -> None:
                   f"{ratio(d)} |", flush=True)
 
 
+def tanh_table(cp_time: float) -> None:
+    """The Gemm+Tanh chains' training graphs (width 256, batch 4096, MSE) at fractions of the graph's unmirrored
+    peak: the floor and the least peak found, the fast and DP plans in extra forward passes, and CP-SAT from the
+    fast plan."""
+    print("| problem | ops | budget | floor | least peak (fast) | fast s | fast extra fwd | dp extra fwd | "
+          "CP-SAT extra fwd (status, gap) | CP-SAT s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for layers, fractions in ((10, (0.45, 0.4925, 0.55, 0.7)), (32, (0.3, 0.316, 0.339, 0.5))):
+        bp, peak = tanh_chain(layers)
+        problem = bp.problem
+        started = time.perf_counter()
+        fast = solvers.front(problem)
+        fast_s = time.perf_counter() - started
+        dp = solvers.dp_front(problem)
+        low = solvers.floor(problem)
+        for fraction in fractions:
+            # the problem counts the small Constant nodes as alive throughout, the graph frees them
+            budget = int(fraction * peak) + max(0, problem.baseline_peak - peak)
+            f, d = fast.best_under(budget), dp.best_under(budget)
+
+            def passes(s):
+                return "none" if s is None else f"{s.extra_cost / bp.forward_cost:.2f}"
+            exact, cp_s = None, 0.0
+            if f is not None:
+                started = time.perf_counter()
+                exact = solvers.solve_cp(problem, budget, solvers.Limits(time_limit=cp_time), hint=f)
+                cp_s = time.perf_counter() - started
+            cp = "below the floor" if budget < low else (
+                "none" if exact is None else f"{passes(exact)} ({exact.status}, {exact.gap:.0%})")
+            print(f"| tanh chain {layers} | {problem.n} | {fraction}x | {low / peak:.4f}x | "
+                  f"{fast.least_peak / peak:.4f}x | {fast_s:.2f} | {passes(f)} | {passes(d)} | {cp} | {cp_s:.1f} |",
+                  flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100,1000,10000")
@@ -145,6 +180,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.solvers:
         solvers_table(args.cp_time, args.milp_time)
+        print()
+        tanh_table(args.cp_time)
         return
     if args.sizes:
         scale_table([int(s) for s in args.sizes.split(",")])

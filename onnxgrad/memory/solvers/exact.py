@@ -56,7 +56,7 @@ def solve_exact(problem: Problem, budget: int, time_limit: float = 60.0, hint: S
     horizon = sum(runs)
     last = horizon - 1
     capacity = budget - problem.static_bytes
-    if any(size[v] > capacity for v in range(n)):
+    if any(size[v] + problem.scratch[v] > capacity for v in range(n)):
         return None
     # costs as integers: the objective is exact to about 1e-6 of the largest cost
     largest = max(problem.cost, default=0.0)
@@ -95,7 +95,10 @@ def solve_exact(problem: Problem, budget: int, time_limit: float = 60.0, hint: S
     for v in range(1, n):
         m.Add(start[v][0] > start[v - 1][0])
     m.AddNoOverlap(slots)
-    m.AddCumulative(intervals, demands, capacity)
+    # a kernel's working memory is taken in the one position where its copy runs
+    scratch = [b for v in range(n) for _ in range(runs[v]) for b in [problem.scratch[v]]]
+    working = [(slot, b) for slot, b in zip(slots, scratch) if b > 0]
+    m.AddCumulative(intervals + [s for s, _ in working], demands + [b for _, b in working], capacity)
     chosen: dict[tuple[int, int, int], object] = {}  # (v, k, u) -> copy of u read, as booleans per copy
     for v in range(n):
         for k in range(runs[v]):
