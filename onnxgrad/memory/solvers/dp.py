@@ -46,6 +46,7 @@ class Blocks:
     keep_bytes: np.ndarray  # what running the block keeping its values holds: kept and cross
     cross_bytes: np.ndarray  # what holding the block's end holds
     last_bytes: np.ndarray  # what its backward reads that does not cross its end
+    read_bytes: np.ndarray  # what its backward reads
     held_bytes: np.ndarray  # what crosses its end that its own backward reads: held on from the sweep that made it
     free_bytes: np.ndarray  # what crosses into it that no backward op reads: dead once the block has run for good
     need: np.ndarray  # the memory its backward needs: its kept values and everything else live then
@@ -108,6 +109,7 @@ def blocks(problem: Problem, max_blocks: int = MAX_BLOCKS) -> Blocks | None:
                   np.array([sum(size[i] for i in set(k) | set(c)) for k, c in zip(kept, cross)], dtype=float),
                   np.array([sum(size[i] for i in c) for c in cross], dtype=float),
                   np.array([sum(size[i] for i in set(k) - set(c)) for k, c in zip(kept, cross)], dtype=float),
+                  np.array([sum(size[i] for i in k) for k in kept], dtype=float),
                   np.array(held, dtype=float),
                   np.array(free, dtype=float), np.array(need, dtype=float), np.array(redo), np.array(stage))
 
@@ -150,7 +152,17 @@ def growing_model(bl: Blocks, unit: int) -> Model:
                  bl.redo)
 
 
-MODELS = (rotor_model, growing_model)
+def lean_model(bl: Blocks, unit: int) -> Model:
+    """Rotor's, with a block that keeps its values charged only for what its backward reads (what crosses its
+    end besides is freed once the next block has run, when that one keeps its values too), and each reversal
+    charged for the backward's own memory at that point."""
+    u = _levels(unit)
+    zero = np.zeros(len(bl.ops), dtype=int)
+    return Model(u(bl.read_bytes), u(bl.cross_bytes), zero, zero, u(bl.last_bytes + bl.need - bl.read_bytes),
+                 zero, np.ones(len(bl.ops), dtype=bool))
+
+
+MODELS = (rotor_model, growing_model, lean_model)
 
 
 def _levels(unit: int):
