@@ -207,8 +207,11 @@ def scatter_add_rows(ctx: GradContext, rows: Value, positions: Value, updates: V
     static_rows = ctx.const_value_of(rows)
     count = int(static_rows.reshape(-1)[0]) if static_rows is not None else None
     if ctx.opset < 16 or (count is not None and count <= ONE_HOT_MAX_ROWS):
-        along = op.Range(op.const(np.int64(0), TensorProto.INT64), op.Squeeze(rows),
-                         op.const(np.int64(1), TensorProto.INT64))
+        if count is not None:  # a constant, so every size downstream is known to the memory planner
+            along = op.const(np.arange(count, dtype=np.int64), TensorProto.INT64)
+        else:
+            along = op.Range(op.const(np.int64(0), TensorProto.INT64), op.Squeeze(rows),
+                             op.const(np.int64(1), TensorProto.INT64))
         hits = op.Equal(op.Unsqueeze(along, op.ints([1])), op.Unsqueeze(positions, op.ints([0])))
         return op.MatMul(op.Cast(hits, to=ctx.elem_type(like)), updates)
     shape = op.Shape(updates)

@@ -105,7 +105,7 @@ def _infer(node: Node, opset: int) -> tuple[int, tuple[Dim, ...] | None] | None:
         return ins[1].elem_type, first.shape
     if op == "Shape":
         if first.shape is None:
-            return TensorProto.INT64, (None,)
+            return None  # typed later by onnx's inference, which may know the rank
         rank = len(first.shape)
         start, end = node.attr("start", 0), node.attr("end", rank)
         return TensorProto.INT64, (len(range(rank)[slice(start, end)]),)
@@ -129,6 +129,14 @@ def _infer(node: Node, opset: int) -> tuple[int, tuple[Dim, ...] | None] | None:
         return first.elem_type, tuple(first.shape[p] for p in perm)
     if op in ("Unsqueeze", "Squeeze") and first is not None and first.elem_type:
         return first.elem_type, _squeezed(node, opset)
+    if op == "Flatten" and first is not None and first.elem_type:
+        if first.shape is None:
+            return first.elem_type, None
+        axis = node.attr("axis", 1)
+        axis = axis + len(first.shape) if axis < 0 else axis
+        rows, columns = _product(first.shape[:axis]), _product(first.shape[axis:])
+        # symbolic dims: left to onnx's inference, which names the products
+        return (first.elem_type, (rows, columns)) if rows is not None and columns is not None else None
     if op in ("Reshape", "Expand") and first is not None and first.elem_type:
         target = constant(ins[1])
         if target is None or first.shape is None:
@@ -233,6 +241,16 @@ def read_types(model: onnx.ModelProto, values: dict[str, Value]) -> int:
             v.shape = v.shape if v.shape is not None else shape
             filled += 1
     return filled
+
+
+def _product(dims: tuple[Dim, ...]) -> Dim:
+    """The product of static dims (1 for none), or None where one is symbolic."""
+    out = 1
+    for d in dims:
+        if not isinstance(d, int):
+            return None
+        out *= d
+    return out
 
 
 def type_everything(graph) -> None:

@@ -142,3 +142,44 @@ def test_profiled_costs_price_the_nodes_and_the_budget_still_holds(tail_model, l
     assert simulate(load(result.model)).peak <= budget and m["extra_cost"] >= 0
     with pytest.raises(UsageError, match="--cost guess: expected model or profile"):
         budgeted(tail_model, str(budget), options={"cost": "guess"})
+
+
+@pytest.fixture(scope="module")
+def torchscript_vit(tmp_path_factory) -> str:
+    """A small transformers ViT through torch.onnx's TorchScript exporter, which writes Constant nodes between
+    the forward ops (MXNet's plan recomputes some of them)."""
+    import warnings
+
+    import torch
+    import torch.nn.functional as F
+    from transformers import ViTConfig, ViTForImageClassification
+    torch.manual_seed(0)
+    vit = ViTForImageClassification(ViTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, image_size=32,
+        patch_size=8, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        attn_implementation="eager"))
+
+    class Classifier(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.vit = vit
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.vit(pixel_values=x).logits, y)
+
+    path = str(tmp_path_factory.mktemp("vit") / "vit.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Classifier().eval(), (torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))), path,
+                          dynamo=False, opset_version=17)
+    return path
+
+
+@pytest.mark.parametrize("budget", ["0.9x", "0.8x"])
+def test_budget_on_a_torchscript_export_fits(torchscript_vit, budget):
+    result = onnxgrad.build(torchscript_vit, mirror="budget", mirror_options={"budget": budget})
+    report = result.report["mirror"]
+    assert report["fits"] and report["predicted_peak_bytes"] <= report["budget_bytes"]
+    assert simulate(load(result.model)).peak <= report["budget_bytes"]
+    assert dict((p.key, p.value) for p in result.model.metadata_props)["onnxgrad.budget_bytes"] == \
+        str(report["budget_bytes"])

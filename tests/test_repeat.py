@@ -105,3 +105,10 @@ def test_bench_model_is_repeatable(name):
     train = onnxgrad.build_gradient(bench.MODELS[name](), dims={"N": 2})
     feeds = random_feeds(train, {"N": 2}, seed=0, skip={t.name for t in train.graph.initializer})
     assert_repeatable(train, feeds, f"bench model {name}")
+
+
+@pytest.mark.parametrize("rows", [2, 1000], ids=lambda r: f"rows{r}")
+def test_embedding_gradient_sizes_are_known(rows):
+    """The mirror pass sizes every value of the graph the gradient pass typed: the one-hot rows are a constant."""
+    result = onnxgrad.build(embedding_model(rows), mirror="mxnet")
+    assert result.report["mirror"]["predicted"]["peak_bytes"] > 0

@@ -325,7 +325,8 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     else:
         better = mxnet_peak <= wanted and (solution is None or mxnet_extra < solution.extra_cost)
     if better:
-        recomputed = {index[s[0]]: 1 for s in mxnet.order if isinstance(s, tuple)}
+        # Constant nodes are outside the problem (counted as static): their copies are not recomputations
+        recomputed = {index[s[0]]: 1 for s in mxnet.order if isinstance(s, tuple) and s[0] in index}
         steps = [s[0] if isinstance(s, tuple) else s for s in mxnet.order]
         solution = solvers.Solution([index[s] for s in steps if s in index], mxnet_peak,
                                    problem.baseline_cost + mxnet_extra, mxnet_extra, recomputed,

@@ -1,0 +1,257 @@
+"""`mirror --budget` on models exported fresh from PyTorch: does onnxruntime's real peak keep to the budget?
+
+    .venv/bin/python bench/bench_real_budget.py [--models resnet50,gpt2,bert,vit] [--budgets 0.9x,0.7x,0.5x,0.4x,least]
+        [--allocators exact,arena,glibc] [--train] [--batch-scale 1.0] [--threads 2] [--out DIR]
+
+Each model is built from a transformers config with random weights (nothing is downloaded) and exported by
+torch.onnx's TorchScript exporter at opset 17, in its own process:
+  resnet50  ResNetConfig (bottleneck 3-4-6-3, 100 classes), batch 8 x 3 x 224 x 224, training-mode
+            BatchNormalization, cross-entropy inside the model
+  gpt2      GPT-2 small (12 x 768), batch 4 x 256 tokens, its LM loss
+  bert      BERT-base with a 2-class head, batch 8 x 128 tokens (token types half 0, half 1)
+  vit       ViT-B/16 with 100 classes, batch 4 x 3 x 224 x 224
+(`--batch-scale` multiplies the batch, for a quicker look.) Then, as a user would:
+  `onnxgrad build-grad model.onnx -o train.onnx` and, per budget, `onnxgrad mirror train.onnx --budget B -o ...`
+("least": the least peak the solver reports reaching when asked for the floor, raised by 1% steps until it fits).
+Each graph, plain and mirrored, runs in a fresh onnxruntime process (CPU provider, ORT_ENABLE_ALL, the graph's
+own order and CSE setting; `memory.measure`) under each allocator:
+  exact  the CPU arena off and glibc's mmap threshold fixed: what onnxgrad's sessions use for a budgeted graph
+  arena  onnxruntime's CPU arena on (a session's default) and glibc's default malloc
+  glibc  the arena off and glibc's default malloc
+Printed per graph: the budget, the simulated peak, per allocator the measured peak (static bytes plus what one
+run adds) over the budget and the simulated dynamic peak over the measured one, the step time relative to the
+plain graph's in the same allocator, and the solver's seconds (the whole mirror command).
+`--train` also runs each budgeted graph as `onnxgrad train` does (a step graph with SGD from
+`onnxgrad mirror ... --optimizer sgd`, two steps on random data): the process's resident set is read just
+before its first step and at its end (VmHWM), and the rise is compared with the budget less the static bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+EXPORT = r"""
+import sys, warnings, torch, torch.nn.functional as F
+warnings.simplefilter("ignore")
+name, batch, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+train_mode = False
+if name == "resnet50":
+    from transformers import ResNetConfig, ResNetForImageClassification
+    net = ResNetForImageClassification(ResNetConfig(num_labels=100, layer_type="bottleneck", depths=[3, 4, 6, 3],
+                                                    hidden_sizes=[256, 512, 1024, 2048], embedding_size=64))
+    loss = lambda pixel_values, labels: F.cross_entropy(net(pixel_values=pixel_values).logits, labels)
+    args = (torch.randn(batch, 3, 224, 224), torch.randint(0, 100, (batch,)))
+    names, train_mode = ["pixel_values", "labels"], True
+elif name == "vit":
+    from transformers import ViTConfig, ViTForImageClassification
+    net = ViTForImageClassification(ViTConfig(num_labels=100, hidden_dropout_prob=0.0,
+                                              attention_probs_dropout_prob=0.0, attn_implementation="eager"))
+    loss = lambda pixel_values, labels: F.cross_entropy(net(pixel_values=pixel_values).logits, labels)
+    args = (torch.randn(batch, 3, 224, 224), torch.randint(0, 100, (batch,)))
+    names = ["pixel_values", "labels"]
+elif name == "gpt2":
+    from transformers import GPT2Config, GPT2LMHeadModel
+    net = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"))
+    loss = lambda input_ids, labels: net(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                         labels=labels, use_cache=False).loss
+    ids = torch.randint(0, 50257, (batch, 256))
+    args, names = (ids, ids), ["input_ids", "labels"]
+elif name == "bert":
+    from transformers import BertConfig, BertForSequenceClassification
+    net = BertForSequenceClassification(BertConfig(num_labels=2, hidden_dropout_prob=0.0,
+                                                   attention_probs_dropout_prob=0.0, attn_implementation="eager"))
+    loss = lambda input_ids, token_type_ids, labels: net(input_ids=input_ids, token_type_ids=token_type_ids,
+                                                         labels=labels).loss
+    ids = torch.randint(0, 30522, (batch, 128))
+    types = torch.zeros_like(ids)
+    types[:, 64:] = 1
+    args, names = (ids, types, torch.randint(0, 2, (batch,))), ["input_ids", "token_type_ids", "labels"]
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = net
+    def forward(self, *inputs):
+        return loss(*inputs)
+
+model = Model().train(train_mode)
+extra = dict(training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False) if train_mode else {}
+torch.onnx.export(model, args, out, input_names=names, output_names=["loss"], opset_version=17, dynamo=False,
+                  **extra)
+"""
+
+BATCH = {"resnet50": 8, "gpt2": 4, "bert": 8, "vit": 4}
+
+# Runs `onnxgrad train` in this process, reading the resident set just before the first step and its high-water
+# mark at the end (the step itself is untouched).
+TRAIN = r"""
+import json, sys
+from onnxgrad import cli, runner
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+seen = {}
+step = runner.StepGraphTrainer.step
+def observed(self, feeds):
+    if "before" not in seen:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        seen["before"] = status("VmRSS")
+    return step(self, feeds)
+runner.StepGraphTrainer.step = observed
+try:
+    code = cli.main(sys.argv[2:])
+finally:
+    json.dump({"before": seen.get("before"), "hwm": status("VmHWM")}, open(sys.argv[1], "w"))
+sys.exit(code)
+"""
+
+
+def run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, **kw)
+
+
+def onnxgrad(*args):
+    return [sys.executable, "-m", "onnxgrad", "-q", *args]
+
+
+def mib(n):
+    return f"{n / 2**20:.0f}"
+
+
+def least_budget(train: Path, out: Path, report: Path) -> tuple[str | None, float]:
+    """The smallest budget the solver meets: the least peak it reports reaching (asked at the floor), rounded up
+    and raised in 1% steps until a plan fits."""
+    import re
+    start = time.perf_counter()
+    sizes = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+    def figure(text: str, pattern: str) -> float | None:
+        m = re.search(pattern + r" ([\d.]+) (KiB|MiB|GiB)", text)
+        return float(m.group(1)) * sizes[m.group(2)] if m else None
+
+    p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", "0.01x"))
+    floor = figure(p.stderr, "least peak any schedule can reach,")
+    if floor is None:
+        return None, time.perf_counter() - start
+    p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", str(int(floor)), "--report", str(report)))
+    if p.returncode == 0:
+        return str(int(floor)), time.perf_counter() - start
+    least = figure(p.stderr, "the least peak it reaches is") or floor
+    for k in range(1, 8):
+        budget = str(int(least * (1 + 0.01 * k)))
+        p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", budget, "--report", str(report)))
+        if p.returncode == 0:
+            return budget, time.perf_counter() - start
+    return None, time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="resnet50,gpt2,bert,vit")
+    ap.add_argument("--budgets", default="0.9x,0.7x,0.5x,0.4x,least")
+    ap.add_argument("--allocators", default="exact,arena,glibc")
+    ap.add_argument("--train", action="store_true")
+    ap.add_argument("--batch-scale", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="keep the models here (default: a temporary folder)")
+    args = ap.parse_args()
+
+    from onnxgrad.memory import measure, simulate
+    allocators = args.allocators.split(",")
+    work = Path(args.out or tempfile.mkdtemp(prefix="bench_real_budget_"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"onnxgrad mirror --budget on fresh exports; {os.cpu_count()} cores, {args.threads} threads, "
+          f"ORT_ENABLE_ALL; peaks in MiB (static bytes included); measured/budget and simulated/measured per allocator")
+    header = "| model | budget | budget MiB | simulated | " + " | ".join(
+        f"{a}: measured, /budget, sim/meas, step x" for a in allocators) + " | solver s |" + (
+        " train: rise MiB, /(budget-static) |" if args.train else "")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for name in args.models.split(","):
+        batch = max(1, round(BATCH[name] * args.batch_scale))
+        fwd, train = work / f"{name}_b{batch}.onnx", work / f"{name}_b{batch}_train.onnx"
+        if not fwd.exists():
+            p = run([sys.executable, "-c", EXPORT, name, str(batch), str(fwd)])
+            if p.returncode:
+                print(f"| {name} | export failed: {p.stderr.strip().splitlines()[-1:]} |")
+                continue
+        if not train.exists():
+            run(onnxgrad("build-grad", str(fwd), "-o", str(train)), check=True)
+        graphs = [("plain", train, None, 0.0)]
+        for budget in args.budgets.split(","):
+            out, report = work / f"{name}_b{batch}_{budget}.onnx", work / f"{name}_b{batch}_{budget}.json"
+            if budget == "least":
+                value, seconds = least_budget(train, out, report)
+                if value is None:
+                    print(f"| {name} | least | no budget met near the floor |")
+                    continue
+                graphs.append((f"least ({mib(int(value))} MiB)", out, int(value), seconds))
+                continue
+            start = time.perf_counter()
+            p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", budget, "--report", str(report)))
+            seconds = time.perf_counter() - start
+            if p.returncode:
+                print(f"| {name} | {budget} | exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]} |")
+                continue
+            graphs.append((budget, out, json.loads(report.read_text())["mirror"]["budget_bytes"], seconds))
+        plain_time = {}
+        for label, path, budget_bytes, seconds in graphs:
+            t = simulate.simulate(simulate.load(str(path)))
+            cells = [name, label, mib(budget_bytes) if budget_bytes else "-", mib(t.peak)]
+            for a in allocators:
+                m = measure.measure(path, level="ALL", threads=args.threads, runs=3, allocator=a)
+                peak = t.static + m["peak_bytes"]
+                step = float(np.median(m["seconds"][1:]))
+                plain_time.setdefault(a, step)
+                cells.append(f"{mib(peak)}, {peak / budget_bytes:.2f}" if budget_bytes else f"{mib(peak)}, -")
+                cells[-1] += f", {t.dynamic_peak / max(m['peak_bytes'], 1):.2f}, {step / plain_time[a]:.2f}"
+            cells.append(f"{seconds:.1f}" if budget_bytes else "-")
+            if args.train and budget_bytes:
+                cells.append(train_rise(fwd, work, name, batch, budget_bytes, args.threads))
+            elif args.train:
+                cells.append("-")
+            print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def train_rise(fwd: Path, work: Path, name: str, batch: int, budget: int, threads: int) -> str:
+    """`onnxgrad train` on a budgeted step graph: the rise of the resident set from its first step on."""
+    import onnx
+    from onnxgrad.memory import simulate
+    from onnxgrad.runner import random_feeds
+    step = work / f"{name}_b{batch}_{budget}_step.onnx"
+    p = run(onnxgrad("mirror", str(fwd), "-o", str(step), "--budget", str(budget), "--optimizer", "sgd"))
+    if p.returncode:
+        return f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}"
+    model = onnx.load(str(step), load_external_data=False)
+    data = work / f"{name}_data.npz"
+    feeds = random_feeds(model, {}, 0, {t.name for t in model.graph.initializer})
+    np.savez(data, **{k: np.concatenate([v, v]) for k, v in feeds.items()})
+    static = simulate.simulate(simulate.load(str(step))).static
+    record = work / f"{name}_train_rss.json"
+    p = run([sys.executable, "-c", TRAIN, str(record), "train", str(step), "--data", str(data), "--steps", "2",
+             "--batch", str(batch), "--provider", "cpu", "--threads", str(threads), "--no-shuffle", "--quiet"])
+    if p.returncode:
+        return f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}"
+    seen = json.loads(record.read_text())
+    rise = seen["hwm"] - seen["before"]
+    return f"{mib(rise)}, {rise / max(budget - static, 1):.2f}"
+
+
+if __name__ == "__main__":
+    main()
