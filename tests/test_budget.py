@@ -207,8 +207,8 @@ def torchscript_resnet(tmp_path_factory) -> str:
 @pytest.mark.parametrize("budget", ["0.9x", "0.7x"])
 def test_onnxruntime_keeps_to_the_budget_of_a_real_export(torchscript_resnet, tmp_path, budget):
     """In a fresh process, allocating as onnxgrad's sessions do for a budgeted graph, onnxruntime (at its default
-    optimization level, fusions on) stays within 5% of the budget. The simulator may err high (it does not model
-    onnxruntime's in-place kernels: 6-11% here), never more than 5% low."""
+    optimization level, fusions on) stays within 5% of the budget. The simulator errs high on this export (by 6-11%
+    in these runs, a cause not yet found), and must never be more than 5% low."""
     result = onnxgrad.build(torchscript_resnet, mirror="budget", mirror_options={"budget": budget})
     path = tmp_path / "mirrored.onnx"
     onnx.save(result.model, path)
