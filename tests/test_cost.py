@@ -1,4 +1,5 @@
 """The cost model on hand-built nodes: FLOPs counted by hand, bytes moved, and errors that name the node."""
+import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
@@ -136,3 +137,26 @@ def test_profile_costs_times_every_node():
     assert costs.cost(Node("Relu", [], [], "relu")) == times["relu"]
     with pytest.raises(UsageError, match="'other' .* was not timed"):
         costs.cost(Node("Relu", [], [], "other"))
+
+
+def test_profile_prices_a_cross_entropy_loss_that_onnxruntime_expands():
+    """onnxruntime runs SoftmaxCrossEntropyLoss as nodes of its own names: the node is priced by the cost model,
+    scaled by what the timed nodes measured, and mirror --budget --cost profile works on a classifier."""
+    import onnxgrad
+    from onnx import TensorProto as T
+    x = helper.make_tensor_value_info("x", T.FLOAT, [64, 256])
+    labels = helper.make_tensor_value_info("labels", T.INT64, [64])
+    loss = helper.make_tensor_value_info("loss", T.FLOAT, [])
+    rng = np.random.default_rng(0)
+    inits = [helper.make_tensor(f"w{i}", T.FLOAT, [256, 256], rng.standard_normal(256 * 256) * 0.05) for i in range(3)]
+    nodes = []
+    h = "x"
+    for i in range(3):
+        nodes += [helper.make_node("MatMul", [h, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Tanh", [f"m{i}"], [f"t{i}"], name=f"tanh{i}")]
+        h = f"t{i}"
+    nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", [h, "labels"], ["loss"], name="xent"))
+    model = helper.make_model(helper.make_graph(nodes, "g", [x, labels], [loss], inits),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    result = onnxgrad.build(model, mirror="budget", mirror_options={"budget": "auto", "cost": "profile"})
+    assert result.report["mirror"]["fits"] and result.report["mirror"]["cost_units"].startswith("microseconds")

@@ -253,7 +253,7 @@ def recompute_costs(graph: Graph, options: MirrorOptions, dims: dict[str, int]):
     from .cost import ProfiledCosts, profile_costs
     proto = graph.to_model(weights_apart=True)
     weights.join(proto, graph.initializers)
-    return ProfiledCosts(profile_costs(proto, symbols=dict(dims)))
+    return ProfiledCosts.of_graph(graph, profile_costs(proto, symbols=dict(dims)), CostModel(symbols=dict(dims)))
 
 
 def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, options: MirrorOptions,

@@ -177,8 +177,8 @@ _FLOPS = {
 def profile_costs(model, symbols: dict[str, int] | None = None, feeds: dict | None = None, runs: int = 5,
                   provider: str = "cpu", seed: int = 0) -> dict[str, float]:
     """Microseconds per run of each node, measured by onnxruntime's profiler: the median over `runs` runs after
-    a warm-up run (a median, so one slow run does not move the plan). `model` is a ModelProto or a path. Graph optimisations are off, so that every node runs as
-    itself and its time is its own. Inputs not in `feeds` get seeded random data (zeros for integer and bool
+    a warm-up run (a median, so one slow run does not move the plan). `model` is a ModelProto or a path. Graph
+    optimisations are off, so that every node runs as itself and its time is its own. Inputs not in `feeds` get seeded random data (zeros for integer and bool
     inputs, which are usually indices and masks), their symbolic dimensions sized through `symbols`."""
     import json
     import os
@@ -226,13 +226,38 @@ def profile_costs(model, symbols: dict[str, int] | None = None, feeds: dict | No
 
 @dataclass
 class ProfiledCosts:
-    """Costs measured by `profile_costs`, in the interface of `CostModel`; a node that was not timed is an
-    error naming it, not a zero."""
+    """Costs measured by `profile_costs`, in the interface of `CostModel`. A node onnxruntime runs as nodes of its
+    own (a function op it expands, such as SoftmaxCrossEntropyLoss) is in `expanded`: it is priced by `model`,
+    scaled to microseconds by `scale`. Any other node that was not timed is an error naming it, not a zero."""
 
     microseconds: dict[str, float]
+    expanded: frozenset[str] = frozenset()
+    model: CostModel | None = None
+    scale: float = 0.0  # microseconds per unit of `model`'s cost, over the timed nodes
+
+    @classmethod
+    def of_graph(cls, graph, microseconds: dict[str, float], model: CostModel) -> ProfiledCosts:
+        """The profile of `graph`, with the nodes it could not time because onnxruntime expanded them."""
+        import onnx
+        timed = [n for n in graph.nodes if n.name in microseconds]
+        expanded = set()
+        for n in graph.nodes:
+            if n.name in microseconds or n.op_type == "Constant":
+                continue
+            try:
+                schema = onnx.defs.get_schema(n.op_type, graph.opset, n.domain or "")
+            except onnx.defs.SchemaError:
+                continue
+            if schema.has_function or schema.has_context_dependent_function:
+                expanded.add(n.name)
+        modelled = sum(model.cost(n) for n in timed)
+        scale = sum(microseconds[n.name] for n in timed) / modelled if modelled else 0.0
+        return cls(microseconds, frozenset(expanded), model, scale)
 
     def cost(self, node: Node) -> float:
-        if node.name not in self.microseconds:
-            raise UsageError(f"--cost profile: node {node.name!r} ({node.op_type}) was not timed; nodes need unique "
-                             f"names, and the profile must come from the same graph")
-        return self.microseconds[node.name]
+        if node.name in self.microseconds:
+            return self.microseconds[node.name]
+        if node.name in self.expanded and self.model is not None:
+            return self.model.cost(node) * self.scale
+        raise UsageError(f"--cost profile: node {node.name!r} ({node.op_type}) was not timed; nodes need unique "
+                         f"names, and the profile must come from the same graph")
