@@ -334,11 +334,20 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
     sweep_path = paths.claim(sweep, "--sweep", "the --sweep chart") if sweep else None
     if (save or recompute) and mirror is None:
         raise UsageError(f"{'--save' if save else '--recompute'}: needs --mirror (or the mirror command)")
-    result = build(model, loss=loss, requires_grad=_names(requires_grad) or None, frozen=_names(frozen),
-                   also_grad=_names(also_grad), input_shapes=_shapes(input_shape), dims=_dims(dim),
-                   weights_apart=True, mirror=mirror,
-                   mirror_options={"save": _names(save), "recompute": _names(recompute), **(mirror_extra or {})},
-                   **_training_options(training))
+    from .memory.budget import BudgetError
+    try:
+        result = build(model, loss=loss, requires_grad=_names(requires_grad) or None, frozen=_names(frozen),
+                       also_grad=_names(also_grad), input_shapes=_shapes(input_shape), dims=_dims(dim),
+                       weights_apart=True, mirror=mirror,
+                       mirror_options={"save": _names(save), "recompute": _names(recompute),
+                                       **(mirror_extra or {})},
+                       **_training_options(training))
+    except BudgetError as e:
+        if report_path:  # a CI step reads why: fits false, the floor, the least peak found
+            save_json(_report(command, {"input": str(model), "output": None, "error": _one_line(e),
+                                        "mirror": {"policy": "budget", **e.report.record(),
+                                                   "solve_seconds": e.report.solve_seconds}}), report_path)
+        raise
     r = result.report
 
     def write_model():

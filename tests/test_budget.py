@@ -217,3 +217,24 @@ def test_onnxruntime_keeps_to_the_budget_of_a_real_export(torchscript_resnet, tm
     budget_bytes = result.report["mirror"]["budget_bytes"]
     assert timeline.static + measured <= 1.05 * budget_bytes, (timeline.static + measured, budget_bytes)
     assert 0.95 <= timeline.dynamic_peak / measured <= 1.2, (timeline.dynamic_peak, measured)
+
+
+def test_a_budget_that_fails_still_writes_its_report(tmp_path):
+    model, out, report = tmp_path / "m.onnx", tmp_path / "o.onnx", tmp_path / "r.json"
+    onnx.save(mlp_tail(layers=3, width=32, batch=64), model)
+    assert main(["mirror", str(model), "-o", str(out), "--loss-fn", "mse", "--budget", "0.1x",
+                 "--report", str(report)]) == 2
+    r = json.loads(report.read_text())
+    assert not out.exists() and r["output"] is None and "below the least peak" in r["error"]
+    m = r["mirror"]
+    assert m["fits"] is False and m["status"] == "no schedule" and m["floor_bytes"] > m["budget_bytes"]
+
+
+def test_a_budget_at_the_plain_peak_is_met_whatever_the_floor_says():
+    """The floor counts the small Constant nodes as alive throughout; the graph frees them, so on models/mlp.onnx
+    the floor is above the plain peak. A budget at the plain peak needs no recomputation and is met."""
+    from pathlib import Path
+    mlp = str(Path(__file__).resolve().parents[1] / "models" / "mlp.onnx")
+    plain = simulate(load(onnxgrad.build(mlp, dims={"N": 32}).model)).peak
+    result = onnxgrad.build(mlp, dims={"N": 32}, mirror="budget", mirror_options={"budget": str(plain)})
+    assert result.report["mirror"]["fits"] and result.report["mirror"]["extra_cost"] == 0

@@ -287,16 +287,17 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
             forward_flops=sum(flops.flops(n) for n in bp.nodes if n.phase == FORWARD), problem_ops=problem.n,
             solve_seconds=round(time.perf_counter() - started, 3))
 
+    if wanted is not None and wanted >= unmirrored_peak:
+        # nothing to recompute: answered at once, without a search (and before the floor, which counts the
+        # small Constant nodes as alive throughout where the graph frees them)
+        solution = solvers.baseline(problem)
+        plan = Plan("budget", [n.name for n in graph.nodes], bp.reasons_of(solution))
+        return _result(plan, report(solution, unmirrored_peak, None))
     if wanted is not None and wanted < least:
         r = report(None, None, None)
         raise BudgetError(f"--budget {budget.text}: {_mib(wanted)} is below the least peak any schedule can reach, "
                           f"{_mib(least)} ({_mib(problem.static_bytes)} of weights and inputs, and the largest "
                           f"working set of one op)", r)
-    if wanted is not None and wanted >= unmirrored_peak:
-        # nothing to recompute: answered at once, without a search
-        solution = solvers.baseline(problem)
-        plan = Plan("budget", [n.name for n in graph.nodes], bp.reasons_of(solution))
-        return _result(plan, report(solution, unmirrored_peak, None))
     limits = solvers.Limits(work=options.work, time_limit=options.time_limit, workers=options.workers)
     front = solvers.front(problem, limits)
     found = front.least_peak
