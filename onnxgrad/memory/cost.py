@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from onnx import helper
 
@@ -23,16 +23,63 @@ from ..ir import Node, Value
 DEFAULT_BALANCE = 20.0  # FLOPs per byte moved
 
 
-@dataclass
+# Kernel classes: ops whose kernels spend their time alike, priced together by `Prices`.
+KERNEL_CLASSES = {
+    "matmul": ("MatMul", "Gemm", "Einsum", "Attention", "MatMulInteger", "QLinearMatMul"),
+    "conv": ("Conv", "ConvTranspose", "ConvInteger", "QLinearConv"),
+    "pool": ("MaxPool", "AveragePool", "LpPool", "GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool", "MaxUnpool",
+             "Resize", "Upsample", "GridSample", "Col2Im"),
+    "norm": ("BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization",
+             "RMSNormalization", "SkipLayerNormalization", "LpNormalization", "MeanVarianceNormalization",
+             "Softmax", "LogSoftmax", "Hardmax", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"),
+    "reduce": ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+               "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "ArgMax", "ArgMin", "CumSum", "TopK"),
+    "move": ("Transpose", "Concat", "Split", "Slice", "Gather", "GatherElements", "GatherND", "ScatterND",
+             "ScatterElements", "Expand", "Tile", "Pad", "Where", "OneHot", "Trilu", "DepthToSpace",
+             "SpaceToDepth", "ReverseSequence", "Compress", "NonZero", "Range", "ConstantOfShape"),
+    "view": ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Size", "Constant", "Cast",
+             "CastLike"),
+}
+_CLASS_OF = {op: c for c, ops in KERNEL_CLASSES.items() for op in ops}
+
+
+def kernel_class(node: Node) -> str:
+    """The node's kernel class (KERNEL_CLASSES); every other op is "elementwise"."""
+    return _CLASS_OF.get(node.op_type, "elementwise") if node.domain in ("", "ai.onnx") else "elementwise"
+
+
+@dataclass(frozen=True)
+class Prices:
+    """Microseconds per FLOP and per byte moved for each kernel class, and per node run (the launch): a cost
+    model fitted to onnxruntime's profile of real training graphs (`bench/bench_cost.py --calibrate`). A class
+    missing here is priced as "elementwise"."""
+
+    per_flop: dict[str, float]
+    per_byte: dict[str, float]
+    per_node: float
+
+    def of(self, cls: str) -> tuple[float, float]:
+        key = cls if cls in self.per_byte else "elementwise"
+        return self.per_flop.get(key, 0.0), self.per_byte[key]
+
+
 class CostModel:
     """`balance`: FLOPs per byte moved (see the module docstring). `symbols`: sizes for symbolic dimensions
-    (a batch size, a sequence length) so that graphs with symbolic shapes can be priced."""
+    (a batch size, a sequence length) so that graphs with symbolic shapes can be priced. With `prices`, a node
+    costs its class's price of its FLOPs and bytes plus a launch, in microseconds, instead of
+    `flops + balance * bytes`."""
 
-    balance: float = DEFAULT_BALANCE
-    symbols: dict[str, int] = field(default_factory=dict)
+    def __init__(self, balance: float = DEFAULT_BALANCE, symbols: dict[str, int] | None = None,
+                 prices: Prices | None = None):
+        self.balance = balance
+        self.symbols = dict(symbols or {})
+        self.prices = prices
 
     def cost(self, node: Node) -> float:
-        return self.flops(node) + self.balance * self.bytes_moved(node)
+        if self.prices is None:
+            return self.flops(node) + self.balance * self.bytes_moved(node)
+        per_flop, per_byte = self.prices.of(kernel_class(node))
+        return per_flop * self.flops(node) + per_byte * self.bytes_moved(node) + self.prices.per_node
 
     def bytes_moved(self, node: Node) -> int:
         """Bytes of the node's inputs (present ones) and outputs."""
@@ -175,7 +222,7 @@ _FLOPS = {
 
 
 def profile_costs(model, symbols: dict[str, int] | None = None, feeds: dict | None = None, runs: int = 5,
-                  provider: str = "cpu", seed: int = 0) -> dict[str, float]:
+                  provider: str = "cpu", seed: int = 0, threads: int | None = None) -> dict[str, float]:
     """Microseconds per run of each node, measured by onnxruntime's profiler: the median over `runs` runs after
     a warm-up run (a median, so one slow run does not move the plan). `model` is a ModelProto or a path. Graph
     optimisations are off, so that every node runs as itself and its time is its own. Inputs not in `feeds` get seeded random data (zeros for integer and bool
@@ -209,6 +256,8 @@ def profile_costs(model, symbols: dict[str, int] | None = None, feeds: dict | No
         so.log_severity_level = 3
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         so.enable_profiling = True
+        if threads:
+            so.intra_op_num_threads = threads
         so.profile_file_prefix = os.path.join(folder, "profile")
         session = ort.InferenceSession(model_bytes(model), so, providers=providers(provider))
         for _ in range(runs + 1):
@@ -261,3 +310,14 @@ class ProfiledCosts:
             return self.model.cost(node) * self.scale
         raise UsageError(f"--cost profile: node {node.name!r} ({node.op_type}) was not timed; nodes need unique "
                          f"names, and the profile must come from the same graph")
+
+
+# Fitted by `bench/bench_cost.py --calibrate` to onnxruntime 1.31's CPU profile (1 thread, graph optimisations
+# off) of the training graphs of ResNet-50, BERT-base, ViT-B/16 and GPT-2 small exported by torch.onnx
+# (BENCHMARKS.md, "The cost model against onnxruntime"). Microseconds.
+CPU_PRICES = Prices(
+    per_flop={"matmul": 2.134e-05, "conv": 2.177e-05},
+    per_byte={"matmul": 0.0, "conv": 0.0002627, "pool": 0.001019, "norm": 0.000119, "reduce": 6.179e-05,
+              "move": 2.418e-05, "view": 7.867e-05, "elementwise": 7.062e-05},
+    per_node=0.0,
+)
