@@ -2,13 +2,14 @@
 and name each gradient as an output `<x>_grad`."""
 from __future__ import annotations
 
-from onnx import helper
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
 
 from ..builder import Builder, Names
 from ..contract import BACKWARD, GRAD_SUFFIX
 from ..errors import UnsupportedError, UsageError
 from ..gradient import differentiate
-from ..ir import Graph, Value
+from ..ir import Graph, Node, Value
 from ..pipeline import Build, Pass
 
 
@@ -35,6 +36,7 @@ class Gradient(Pass):
                 raise UsageError(f"cannot name a gradient output {name!r}: the model already has a value of that name")
             names.reserve(name)
 
+        bound_loops(graph, o.loop_bounds, names)
         head_grads = [seed_gradient(graph, h, names, o.feed_head_grads) for h in heads]
         build.seeds = head_grads
         result = differentiate(graph, heads, head_grads, xs + us, names, build.reaches_loss)
@@ -142,6 +144,25 @@ def finalize_outputs(graph: Graph, xs, us, grads: dict[str, Value | None], names
         g.elem_type, g.shape = v.elem_type, v.shape
         claimed.add(id(g))
         graph.outputs.append(g)
+
+
+def bound_loops(graph: Graph, bounds: dict[str, int], names: Names) -> None:
+    """--loop-bound NAME=N: Loop node NAME runs at most N iterations (its trip count becomes N, or the least of
+    N and the trip count it has), so the carries its gradient stores are bounded."""
+    loops = {n.name: n for n in graph.nodes if n.op_type == "Loop" and not n.domain}
+    for name, bound in bounds.items():
+        node = loops.get(name)
+        if node is None:
+            known = ", ".join(sorted(repr(k) for k in loops if k)) or "none"
+            raise UsageError(f"--loop-bound {name}={bound}: no Loop node of that name (Loop nodes: {known})")
+        limit = Value(names.fresh(f"{name}_bound"), TensorProto.INT64, ())
+        graph.initializers[limit.name] = numpy_helper.from_array(np.array(bound, np.int64), limit.name)
+        graph.values[limit.name] = limit
+        if node.inputs[0] is not None:
+            least = Value(names.fresh(f"{name}_bounded_trips"), TensorProto.INT64, ())
+            graph.insert_before(node, [Node("Min", [node.inputs[0], limit], [least], names.fresh(f"{name}_bound/Min"))])
+            limit = least
+        node.set_input(0, limit)
 
 
 def find_value(graph: Graph, name: str, flag: str) -> Value:

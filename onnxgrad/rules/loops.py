@@ -27,7 +27,7 @@ from ..shapes import type_everything
 from .control import _draws_random, _needed_nodes, _renamed
 
 
-@rule("Scan", since=9, limits="opset 9+ (opset 8's batch form is refused); tensor carries and scan values only; "
+@rule("Scan", since=9, limits="opset 9+ forms; tensor carries and scan values only; "
                               "no random op in the body; stores one carry per iteration and recomputes the body")
 def scan(ctx):
     """d(initial carries, scan inputs, outer values) = reversed Scan over (carries, slices, dy) of the body's backward"""
