@@ -196,8 +196,9 @@ def test_loop_runtime_trip_count(trips):
     check_gradients(loop_graph("input"), ["loss"], ["x", "h0", "w"], loop_feeds(trip=np.array(trips)), opset=13)
 
 
-@pytest.mark.parametrize("stop", [-10.0, 0.3, 10.0], ids=["one-iteration", "stops-early", "runs-to-trip-count"])
+@pytest.mark.parametrize("stop", [-10.0, -0.5, 10.0], ids=["one-iteration", "stops-early", "runs-to-trip-count"])
 def test_loop_data_dependent_condition(stop):
+    """The loop runs 1, 3 and 4 of its 4 iterations (sum(h) after each: -0.65, -0.94, -0.42, -0.69)."""
     feeds = loop_feeds(trip=np.array(4), stop=np.array(stop))
     check_gradients(loop_graph("input", "data"), ["loss"], ["x", "h0", "w"], feeds, opset=13)
 

@@ -15,13 +15,14 @@ A body that would recompute a random op is refused: the recomputed draw would di
 from __future__ import annotations
 
 import onnx
-from onnx import TensorProto, helper, shape_inference
+from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from .. import unroll
 from ..builder import Builder
 from ..errors import UnsupportedError
 from ..gradient import differentiate, reaching_heads
-from ..ir import Graph, Node, Value, attach_implicit_inputs, from_model, names_defined_in, outer_references
+from ..ir import (Graph, Node, Value, attach_implicit_inputs, constant_value, from_model, names_defined_in,
+                  outer_references)
 from ..registry import rule
 from ..shapes import type_everything
 from .control import _draws_random, _needed_nodes, _renamed
@@ -282,16 +283,38 @@ def _typed_body(body: onnx.GraphProto, outer: Graph, input_types: list) -> Graph
             t.elem_type = elem
         if shape is not None and not t.HasField("shape"):
             vi.type.CopyFrom(helper.make_tensor_type_proto(t.elem_type, list(shape)))
+    # small integer constants from outside (axes, shapes) are shown to onnx's inference as initializers, so it
+    # can use their values; the body still reads them by name
+    known = []
     for name in outer_references(body):
         v = outer.values.get(name)
         proto.input.append(v.value_info() if v is not None else helper.make_empty_tensor_value_info(name))
+        value = _small_int_constant(outer, v)
+        if value is not None:
+            known.append(numpy_helper.from_array(value, name))
     model = helper.make_model(proto, opset_imports=[helper.make_opsetid(d, v) for d, v in outer.opsets.items()])
     model.ir_version = outer.model_template.ir_version or model.ir_version
+    model.graph.initializer.extend(known)
     try:
         model = shape_inference.infer_shapes(model, data_prop=True)
     except Exception:  # noqa: BLE001  (untyped values stay untyped; the rules say which type they miss)
         pass
+    kept = [t for t in model.graph.initializer if all(t.name != k.name for k in known)]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
     return from_model(model)
+
+
+def _small_int_constant(outer: Graph, v: Value | None):
+    if v is None or v.elem_type not in (TensorProto.INT64, TensorProto.INT32) or v.static_shape is None:
+        return None
+    if len(v.static_shape) > 1 or (v.static_shape and v.static_shape[0] > 64):
+        return None
+    if v.name in outer.initializers:
+        return numpy_helper.to_array(outer.initializers[v.name])
+    if v.producer is not None and v.producer.op_type == "Constant":
+        return constant_value(v.producer.attributes)
+    return None
 
 
 def _carry_seed(op: Builder, v: Value) -> Value | None:
