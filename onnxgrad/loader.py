@@ -18,7 +18,7 @@ from onnx.external_data_helper import (ExternalDataInfo, _get_all_tensors, load_
                                       uses_external_data)
 
 from . import weights
-from .errors import InvalidModelError, OnnxgradError, UsageError
+from .errors import InvalidModelError, OnnxgradError, UnsupportedError, UsageError
 
 log = logging.getLogger("onnxgrad")
 
@@ -143,6 +143,11 @@ def upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
                                 f"{onnx.__version__} defines ({MAX_OPSET})")
     if opset >= MIN_OPSET:
         return model
+    if opset < 9:
+        scan = next((n for n in _all_nodes(model.graph) if n.op_type == "Scan" and n.domain in ("", "ai.onnx")), None)
+        if scan is not None:  # the converter's Scan 8 -> 9 adapter changes the ranks of the graph's inputs
+            raise UnsupportedError(f"Scan node {scan.name!r} has opset 8's batched form, which onnx's version "
+                                   f"converter does not convert faithfully; export the model at opset 9 or newer")
     try:
         with _stdout_to_log():
             converted = version_converter.convert_version(model, MIN_OPSET)
@@ -150,6 +155,14 @@ def upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
         reason = _converter_reason(e, opset)
         raise InvalidModelError(f"cannot convert opset {opset} to {MIN_OPSET}: {reason}") from None
     return converted
+
+
+def _all_nodes(g: onnx.GraphProto):
+    for node in g.node:
+        yield node
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from _all_nodes(sub)
 
 
 def _converter_reason(e: Exception, opset: int) -> str:
