@@ -121,7 +121,9 @@ def loop(ctx):
     body = node.attr("body")
     n = len(node.inputs) - 2
     k = len(body.output) - 1 - n
-    if node.input(0) is None:
+    trips = ctx.const_value_of(node.input(0))
+    # exporters write a while loop's missing trip count as the largest int64
+    if node.input(0) is None or (trips is not None and int(trips.reshape(-1)[0]) >= 2**62):
         raise ctx.unsupported(
             "the loop has no trip count, only a condition, so the iterations to store are not bounded; give a "
             f"bound with --loop-bound {node.name or '<loop name>'}=N (the loop then runs at most N iterations)")
