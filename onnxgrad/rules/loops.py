@@ -28,7 +28,7 @@ from ..shapes import type_everything
 from .control import _draws_random, _needed_nodes, _renamed
 
 
-@rule("Scan", since=9, limits="opset 9+ forms; tensor carries and scan values only; "
+@rule("Scan", since=13, limits="opset 8's batched form refused; tensor carries and scan values only; "
                               "no random op in the body; stores one carry per iteration and recomputes the body")
 def scan(ctx):
     """d(initial carries, scan inputs, outer values) = reversed Scan over (carries, slices, dy) of the body's backward"""
@@ -112,7 +112,7 @@ def _scan_length(node: Node, n: int, in_axes: list[int]) -> int | str | None:
     return first.shape[in_axes[0] % len(first.shape)]
 
 
-@rule("Loop", since=11, limits="needs a trip count: a constant, a runtime value, or --loop-bound NAME=N for a "
+@rule("Loop", since=13, limits="needs a trip count: a constant, a runtime value, or --loop-bound NAME=N for a "
                                "condition-only loop; tensor carries only; no random op in the body; stores one "
                                "carry per iteration run and recomputes the body")
 def loop(ctx):
