@@ -14,6 +14,7 @@ A body that would recompute a random op is refused: the recomputed draw would di
 """
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
@@ -132,7 +133,7 @@ def loop(ctx):
 
     # the forward Loop also stacks the carry each iteration starts from, and its iteration number
     residuals = _stack_carries(ctx, body, body_inputs=[0] + list(range(2, 2 + n)), axes_attr=None, dirs_attr=None,
-                               k=k, length=None)
+                               k=k, length=_loop_length(ctx, body))
     iterations, residuals = residuals[0], residuals[1:]
     body = node.attr("body")
 
@@ -203,6 +204,28 @@ def loop(ctx):
     for g, v in zip(back[len(float_idx):], outer_needed):
         grads[len(node.inputs) + node.implicit_inputs.index(v)] = g
     return [g if ctx.needs(i) else None for i, g in enumerate(grads)]
+
+
+def _loop_length(ctx, body: onnx.GraphProto) -> int | str:
+    """The number of iterations a Loop runs, as the first dim of its stacked carries: its trip count when that
+    is a constant and nothing can end the loop early, else a symbol (`--dim <loop>_iterations=N` sizes it for the
+    memory planner)."""
+    node = ctx.node
+    trips = ctx.const_value_of(node.input(0))
+    cond = node.input(1)
+    cond_value = ctx.const_value_of(cond) if cond is not None else np.array(True)
+    producers = {o: n for n in body.node for o in n.output}
+    cond_out = body.output[0].name
+    while cond_out in producers and producers[cond_out].op_type == "Identity":
+        cond_out = producers[cond_out].input[0]
+    if cond_out in producers:
+        value = constant_value(producers[cond_out].attribute) if producers[cond_out].op_type == "Constant" else None
+    else:  # the condition read from outside the body
+        value = ctx.const_value_of(ctx.op.graph.values.get(cond_out))
+    keeps_going = cond_out == body.input[1].name or (value is not None and bool(value.reshape(-1)[0]))
+    if trips is not None and cond_value is not None and bool(cond_value.reshape(-1)[0]) and keeps_going:
+        return int(trips.reshape(-1)[0])
+    return f"{node.name or 'Loop'}_iterations"
 
 
 # -- the pieces both rules share -----------------------------------------------------------------------------------
