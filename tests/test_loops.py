@@ -82,7 +82,8 @@ SCAN_FORMS = {
 @pytest.mark.parametrize("form", list(SCAN_FORMS), ids=list(SCAN_FORMS))
 def test_scan_gradients(form):
     attrs = SCAN_FORMS[form]
-    check_gradients(scan_graph(**attrs), ["loss"], ["x", "z", "a0", "b0", "w", "v"], scan_feeds(attrs.get("in_axes", (0, 0))))
+    check_gradients(scan_graph(**attrs), ["loss"], ["x", "z", "a0", "b0", "w", "v"],
+                    scan_feeds(attrs.get("in_axes", (0, 0))))
 
 
 def test_scan_outputs_the_loss_does_not_read():
@@ -93,6 +94,12 @@ def test_scan_outputs_the_loss_does_not_read():
         g.node.append(h.make_node("ReduceSum", ["aT"], ["loss"], keepdims=0))
         return g
     check_gradients(graph_fn, ["loss"], ["x", "a0", "w"], scan_feeds())
+    train = onnxgrad.build(_make(graph_fn, np.float32, 18), requires_grad=["x", "a0", "w"]).model
+    back = next(n for n in train.graph.node if n.op_type == "Scan" and n.name != "sweep")
+    attrs = {a.name: h.get_attribute_value(a) for a in back.attribute}
+    # carried: the gradients of a and b, w's sum; scanned: x, z and the three stacked carries, no output gradient
+    assert len(back.input) - attrs["num_scan_inputs"] == 3 and attrs["num_scan_inputs"] == 5
+    assert len(back.output) == 3 + 1  # x's gradient is the one scan output
 
 
 def test_scan_forward_output_and_residual_types():
@@ -126,7 +133,8 @@ def test_scan_inside_scan_and_if_inside_scan():
         nodes = [h.make_node("Scan", ["h0", "x", "flags"], ["hT"], body=body, num_scan_inputs=2, name="outer"),
                  h.make_node("ReduceSumSquare", ["hT"], ["loss"], keepdims=0)]
         return h.make_graph(nodes, "nested", [vi("x", elem, [3, 4]), vi("h0", elem, [2]), vi("w", elem, [2])],
-                            [vi("loss", elem, [])], [const("flags", [True, False, True], bool), const("shape2", [2, 2])],
+                            [vi("loss", elem, [])],
+                            [const("flags", [True, False, True], bool), const("shape2", [2, 2])],
                             value_info=[vi("hT", elem, [2])])
     rng = _rng(2)
     check_gradients(graph_fn, ["loss"], ["x", "h0", "w"],
@@ -135,7 +143,8 @@ def test_scan_inside_scan_and_if_inside_scan():
 
 def test_scan_body_with_a_random_op_is_refused():
     def graph_fn(elem, dtype):
-        body = h.make_graph([h.make_node("RandomNormalLike", ["e"], ["noise"]), h.make_node("Mul", ["e", "noise"], ["m"]),
+        body = h.make_graph([h.make_node("RandomNormalLike", ["e"], ["noise"]),
+                             h.make_node("Mul", ["e", "noise"], ["m"]),
                              h.make_node("Add", ["s_in", "m"], ["s_out"])], "body",
                             [vi("s_in", elem, [2]), vi("e", elem, [2])], [vi("s_out", elem, [2])])
         return h.make_graph([h.make_node("Scan", ["s0", "x"], ["sT"], body=body, num_scan_inputs=1, name="noisy"),

@@ -32,7 +32,7 @@ from .control import _draws_random, _needed_nodes, _renamed
 @rule("Scan", since=13, limits="opset 8's batched form refused; tensor carries and scan values only; "
                               "no random op in the body; stores one carry per iteration and recomputes the body")
 def scan(ctx):
-    """d(initial carries, scan inputs, outer values) = reversed Scan over (carries, slices, dy) of the body's backward"""
+    """d(initial carries, scan inputs, outer values) = reversed Scan of the body's backward over (carry, x, dy)"""
     node, op = ctx.node, ctx.op
     body = node.attr("body")
     m = node.attr("num_scan_inputs")
@@ -47,7 +47,7 @@ def scan(ctx):
 
     # the forward Scan also stacks the carry each iteration starts from
     residuals = _stack_carries(ctx, body, body_inputs=list(range(n)), axes_attr="scan_output_axes",
-                               dirs_attr="scan_output_directions", k=k, length=_scan_length(node, n, in_axes))
+                               dirs_attr="scan_output_directions", length=_scan_length(node, n, in_axes))
     body = node.attr("body")
 
     renamed = {name: op.names.fresh(name) for name in sorted(names_defined_in(body))}
@@ -133,7 +133,7 @@ def loop(ctx):
 
     # the forward Loop also stacks the carry each iteration starts from, and its iteration number
     residuals = _stack_carries(ctx, body, body_inputs=[0] + list(range(2, 2 + n)), axes_attr=None, dirs_attr=None,
-                               k=k, length=_loop_length(ctx, body))
+                               length=_loop_length(ctx, body))
     iterations, residuals = residuals[0], residuals[1:]
     body = node.attr("body")
 
@@ -240,7 +240,7 @@ def _refuse_non_tensors(ctx, body: onnx.GraphProto) -> None:
                                   f"not a tensor; only tensors are carried through a differentiated loop")
 
 
-def _stack_carries(ctx, body: onnx.GraphProto, body_inputs: list[int], axes_attr, dirs_attr, k: int,
+def _stack_carries(ctx, body: onnx.GraphProto, body_inputs: list[int], axes_attr, dirs_attr,
                    length) -> list[Value]:
     """Add to the forward node one scan output per listed body input: its value at the start of each iteration
     (stacked along axis 0, in iteration order). Returns the new outer outputs."""
