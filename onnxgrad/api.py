@@ -119,7 +119,7 @@ def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims,
         "backward_nodes": sum(n.phase == BACKWARD for n in graph.nodes),
         "optimizer_nodes": sum(n.phase == OPTIMIZER for n in graph.nodes),
         "rules_used": build.report["rules_used"],
-        **{k: build.report[k] for k in ("mirror",) if k in build.report},
+        **{k: build.report[k] for k in ("mirror", "loop_segments") if k in build.report},
         "passes": build.report["passes"],
         "seconds": round(time.perf_counter() - started, 4),
     }

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from .. import segments
 from ..builder import Builder, Names
 from ..contract import BACKWARD, GRAD_SUFFIX
 from ..errors import UnsupportedError, UsageError
-from ..gradient import differentiate
-from ..ir import Graph, Node, Value
+from ..gradient import differentiate, reaching_heads
+from ..ir import Graph, Node, Value, names_defined_in
 from ..pipeline import Build, Pass
 
 
@@ -23,20 +24,28 @@ class Gradient(Pass):
 
     def run(self, build: Build) -> None:
         o, graph, heads = build.options, build.graph, build.heads
+        names = build.new_names()
+        for node in graph.nodes:  # names the rewrites below make must not shadow one a subgraph defines
+            for sub in node.subgraphs():
+                for name in names_defined_in(sub):
+                    names.reserve(name)
+        bound_loops(graph, o.loop_bounds, names)
+        if o.mirror is not None:  # recomputation asked for: loops store a carry per segment, not per iteration
+            build.report["loop_segments"] = segment_loops(graph, build.reaches_loss, names)
+            if build.report["loop_segments"]:
+                build.reaches_loss = reaching_heads(graph, heads)
         xs = select_parameters(graph, heads, build.reaches_loss, o.requires_grad, o.frozen)
         us = [find_value(graph, name, "--also-grad") for name in o.also_grad or []]
         for u in us:
             if u.elem_type is not None and not u.is_float:
                 raise UsageError(f"--also-grad {u.name}: has a non-floating-point type, so no gradient")
 
-        names = build.new_names()
         for v in xs + us:
             name = v.name + GRAD_SUFFIX
             if names.taken(name):
                 raise UsageError(f"cannot name a gradient output {name!r}: the model already has a value of that name")
             names.reserve(name)
 
-        bound_loops(graph, o.loop_bounds, names)
         head_grads = [seed_gradient(graph, h, names, o.feed_head_grads) for h in heads]
         build.seeds = head_grads
         result = differentiate(graph, heads, head_grads, xs + us, names, build.reaches_loss)
@@ -163,6 +172,14 @@ def bound_loops(graph: Graph, bounds: dict[str, int], names: Names) -> None:
             graph.insert_before(node, [Node("Min", [node.inputs[0], limit], [least], names.fresh(f"{name}_bound/Min"))])
             limit = least
         node.set_input(0, limit)
+
+
+def segment_loops(graph: Graph, reaches_loss: set[int], names: Names) -> dict[str, int]:
+    """Rewrite the loops on the gradient's path into loops over segments of about √T iterations (segments.py)."""
+    chosen = segments.plan(graph, reaches_loss)
+    for name, k in chosen.items():
+        segments.segment(graph, next(n for n in graph.nodes if n.name == name and n.op_type == "Loop"), k, names)
+    return chosen
 
 
 def find_value(graph: Graph, name: str, flag: str) -> Value:
