@@ -7,9 +7,8 @@ the trip count.
    tests/test_node_suite_loops.py): how many pass, and why the others are not gradient tests.
 2. The three TorchScript loops of tests/test_torch_loops.py against PyTorch autograd: the largest relative L2
    error over the gradients.
-3. A linear recurrence h = a * h + b * x_t (carry 128 x 1024 float32, 512 KiB) over 16 to 256 steps: the
-   training graph's simulated peak and onnxruntime's measured one (a fresh process, arena off), and the stored
-   carries (one per iteration).
+3. A linear recurrence h = a * h + b * x_t (carry 128 x 1024 float32, 512 KiB) over 64 and 256 steps: the peak
+   one run adds, simulated and measured (a fresh process, arena off), plain and mirrored (√T segments).
 """
 from __future__ import annotations
 
@@ -62,18 +61,23 @@ def torch_comparisons(folder: Path) -> None:
 
 def peak_against_steps(folder: Path) -> None:
     import test_torch_loops as t
-    print("steps | stored carries MiB | simulated peak MiB | measured peak MiB | measured / simulated")
-    for steps in (16, 64, 128, 256):
+    print("steps | plain simulated MiB | plain measured MiB | mirrored segments | mirrored simulated MiB | "
+          "mirrored measured MiB")
+    for steps in (64, 256):
         torch.manual_seed(1)
         model = t.export(t.LinearRecurrence(1024), (torch.randn(steps, 128, 1024), torch.zeros(128, 1024)),
                          ["x", "h0"], folder / "linear.onnx")
-        path = folder / f"train{steps}.onnx"
-        onnx.save(onnxgrad.build(model, requires_grad=["decay", "b", "c"]).model, str(path))
-        timeline = simulate(load(str(path)))
-        measured = measure(str(path))["peak_bytes"]
-        carries = steps * 128 * 1024 * 4
-        print(f"{steps} | {carries / 2**20:.1f} | {timeline.peak / 2**20:.1f} | {measured / 2**20:.1f} | "
-              f"{measured / timeline.peak:.3f}")
+        row = [str(steps)]
+        for mirror in (None, "mxnet"):
+            result = onnxgrad.build(model, requires_grad=["decay", "b", "c"], mirror=mirror)
+            path = folder / f"train{steps}.onnx"
+            onnx.save(result.model, str(path))
+            if mirror:
+                k = result.report["loop_segments"]["/Loop"]
+                row.append(f"{steps // k} x {k}")
+            simulated, measured = simulate(load(str(path))).dynamic_peak, measure(str(path))["peak_bytes"]
+            row += [f"{simulated / 2**20:.1f}", f"{measured / 2**20:.1f}"]
+        print(" | ".join(row))
 
 
 if __name__ == "__main__":
