@@ -280,7 +280,8 @@ def type_loop_carries(model: onnx.ModelProto) -> onnx.ModelProto:
             if body_in.type.HasField("tensor_type") and not body_in.type.tensor_type.HasField("shape") and \
                     t is not None and t.HasField("tensor_type") and t.tensor_type.HasField("shape"):
                 body_in.type.CopyFrom(t)
-            if k < len(node.output) and node.output[k] and body_in.type.tensor_type.HasField("shape"):
+            if k < len(node.output) and node.output[k] and first + k < len(body.output) and \
+                    body_in.type.tensor_type.HasField("shape"):
                 fixed[node.output[k]] = (node.name, body.output[first + k].name, body_in.type)
     if not fixed:
         return model

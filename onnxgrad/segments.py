@@ -133,8 +133,9 @@ def segment(graph: Graph, node: Node, k: int, names: Names) -> None:
                 [helper.make_attribute("body", outer_body)], phase=node.phase)
     flats = []
     for v, by_segment in zip(node.outputs[n:], stacked):
-        target = Value(names.fresh(f"{v.name}_rows_shape"), TensorProto.INT64, (None,))
         rest = None if v.shape is None else v.shape[1:]
+        target = Value(names.fresh(f"{v.name}_rows_shape"), TensorProto.INT64,
+                       (None,) if rest is None else (len(rest) + 1,))
         if rest is not None and all(isinstance(d, int) for d in rest):
             graph.initializers[target.name] = numpy_helper.from_array(np.array([trips, *rest], np.int64), target.name)
             graph.values[target.name] = target
@@ -142,12 +143,14 @@ def segment(graph: Graph, node: Node, k: int, names: Names) -> None:
             rows = Value(names.fresh(f"{v.name}_rows"), TensorProto.INT64, (1,))
             graph.initializers[rows.name] = numpy_helper.from_array(np.array([trips], np.int64), rows.name)
             graph.values[rows.name] = rows
-            tail = Value(names.fresh(f"{v.name}_row_shape"), TensorProto.INT64, (None,))
+            tail = Value(names.fresh(f"{v.name}_row_shape"), TensorProto.INT64, (None,) if rest is None else (len(rest),))
             flats += [Node("Shape", [by_segment], [tail], names.fresh(f"{v.name}/Shape"),
                            [helper.make_attribute("start", 2)], phase=node.phase),
                       Node("Concat", [rows, tail], [target], names.fresh(f"{v.name}/Concat"),
                            [helper.make_attribute("axis", 0)], phase=node.phase)]
         flats.append(Node("Reshape", [by_segment, target], [v], names.fresh(f"{v.name}/Reshape"), phase=node.phase))
+        if rest is not None:
+            v.shape = (trips, *rest)
     graph.insert_before(node, [loop] + flats)
     node.detach()
     graph.reorder([x for x in graph.nodes if x is not node])
