@@ -141,6 +141,24 @@ def test_scan_inside_scan_and_if_inside_scan():
                     {"x": rng.uniform(-1, 1, (3, 4)), "h0": rng.uniform(-1, 1, 2), "w": rng.uniform(-1, 1, 2)})
 
 
+@pytest.mark.parametrize("steps,batch", [(3, 2), (5, 1)])
+def test_scan_with_symbolic_length_and_batch(steps, batch):
+    """One training graph for every sequence length S and batch B: the stacked carries are [S, B, 3]."""
+    def graph_fn(elem, dtype):
+        body = h.make_graph([h.make_node("Mul", ["xs", "w"], ["xw"]), h.make_node("Add", ["a_in", "xw"], ["a1"]),
+                             h.make_node("Tanh", ["a1"], ["a_out"]), h.make_node("Mul", ["a_out", "xs"], ["y"])],
+                            "body", [vi("a_in", elem, ["B", 3]), vi("xs", elem, ["B", 3])],
+                            [vi("a_out", elem, ["B", 3]), vi("y", elem, ["B", 3])])
+        return h.make_graph([h.make_node("Scan", ["a0", "x"], ["aT", "ys"], body=body, num_scan_inputs=1, name="s"),
+                             h.make_node("ReduceSumSquare", ["ys"], ["loss"], keepdims=0)], "g",
+                            [vi("x", elem, ["S", "B", 3]), vi("a0", elem, ["B", 3]), vi("w", elem, [3])],
+                            [vi("loss", elem, [])])
+    rng = _rng(6)
+    check_gradients(graph_fn, ["loss"], ["x", "a0", "w"], {"x": rng.uniform(-1, 1, (steps, batch, 3)),
+                                                           "a0": rng.uniform(-1, 1, (batch, 3)),
+                                                           "w": rng.uniform(-1, 1, 3)})
+
+
 def test_scan_body_with_a_random_op_is_refused():
     def graph_fn(elem, dtype):
         body = h.make_graph([h.make_node("RandomNormalLike", ["e"], ["noise"]),
