@@ -389,6 +389,9 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
         log.info("%s: %d forward nodes recomputed; simulated peak %s -> %s (saved for the backward %s -> %s)", out,
                  len(m["recomputed"]), _mib(p["unmirrored_peak_bytes"]), _mib(p["peak_bytes"]),
                  _mib(p["unmirrored_saved_bytes"]), _mib(p["saved_bytes"]))
+        if r.get("loop_segments"):  # rewritten before the gradient, so the peaks above already include it
+            log.info("%s: loops run as segments, storing a carry per segment: %s", out,
+                     ", ".join(f"{name} in segments of {k}" for name, k in r["loop_segments"].items()))
         if "budget_bytes" in m:
             log.info("%s: budget %s (%s), floor %s; %.2f extra forward passes of recomputation (%s solver%s)",
                      out, m["budget"], _mib(m["budget_bytes"]) if m["budget_bytes"] else "auto",
