@@ -1,4 +1,4 @@
-"""Segment checkpointing of loops: a Loop of T iterations becomes a Loop of T/k segments of k iterations each.
+"""Segment checkpointing of loops: a Loop (or Scan) of T iterations becomes one of T/k segments of k iterations.
 
 Differentiated as it is, a Loop stores its carry at every iteration (rules/loops.py). Written as a loop over
 segments whose body is a loop over the segment's iterations, the outer loop stores only the carry each segment
@@ -6,8 +6,9 @@ starts from, and the backward of each segment recomputes the segment's inner loo
 for the time that segment's backward runs: T/k + k carries alive instead of T, about 2√T at k = √T, for one
 more forward pass of the loop. No gradient code is involved: the two loops are differentiated by the Loop rule.
 
-`plan` decides (which loops, which k); `segment` rewrites one loop. Only loops with a constant trip count that
-nothing ends early are segmented, and k divides T, so every segment has the same length (a Loop's scan outputs
+`plan` decides (which loops, which k); `segment` rewrites one Loop, `segment_scan` one Scan. Only Loops with a
+constant trip count that nothing ends early, and Scans whose scanned tensors have static shapes, are segmented,
+and k divides T, so every segment has the same length (a Loop's scan outputs
 must have one shape across iterations); a T with no divisor near √T (a prime) is left as it is.
 """
 from __future__ import annotations
@@ -23,10 +24,17 @@ from .ir import Graph, Node, Value, attach_implicit_inputs, constant_value
 
 
 def plan(graph: Graph, on_path: set[int]) -> dict[str, int]:
-    """{Loop node name: k} for the loops on the gradient's path worth segmenting."""
+    """{Loop or Scan node name: k} for the loops on the gradient's path worth segmenting."""
     chosen = {}
     for node in graph.nodes:
-        if node.op_type != "Loop" or node.domain or not node.name or not any(id(o) in on_path for o in node.outputs):
+        if node.op_type not in ("Loop", "Scan") or node.domain or not node.name or \
+                not any(id(o) in on_path for o in node.outputs):
+            continue
+        if node.op_type == "Scan":
+            trips = scan_length(node)
+            k = _segment_length(trips) if trips else None
+            if k is not None:
+                chosen[node.name] = k
             continue
         trips = runs_to_trip_count(graph, node)
         k = _segment_length(trips) if trips else None
@@ -170,3 +178,88 @@ def _renamed_info(vi: onnx.ValueInfoProto, name: str, lead: int | None = None) -
         out.type.tensor_type.shape.dim.add().dim_value = lead
         out.type.tensor_type.shape.dim.extend(copies)
     return out
+
+
+def scan_length(node: Node) -> int | None:
+    """The static length of a Scan whose scan inputs and outputs all have static shapes (what `segment_scan`
+    needs to reshape them), else None."""
+    body = node.attr("body")
+    m = node.attr("num_scan_inputs")
+    n = len(node.inputs) - m
+    axes = list(node.attr("scan_input_axes") or [0] * m)
+    lengths = set()
+    for v, a in zip(node.inputs[n:], axes):
+        if v is None or v.static_shape is None:
+            return None
+        lengths.add(v.static_shape[a % len(v.static_shape)])
+    if len(lengths) != 1 or any(v.static_shape is None for v in node.outputs[n:len(body.output)]):
+        return None
+    return lengths.pop()
+
+
+def segment_scan(graph: Graph, node: Node, k: int, names: Names) -> None:
+    """Rewrite Scan `node` (length T, T divisible by k) into a Scan over T/k segments whose body is the Scan of
+    one segment: each scan input is reshaped so its scanned axis becomes (T/k, k), each scan output back."""
+    body = node.attr("body")
+    m = node.attr("num_scan_inputs")
+    n = len(node.inputs) - m
+    outs = len(body.output) - n
+    trips = scan_length(node)
+    segments = trips // k
+    in_axes = [a % len(v.static_shape) for a, v in zip(node.attr("scan_input_axes") or [0] * m, node.inputs[n:])]
+    out_axes = [b % len(v.static_shape) for b, v in zip(node.attr("scan_output_axes") or [0] * outs,
+                                                          node.outputs[n:])]
+    in_dirs = list(node.attr("scan_input_directions") or [0] * m)
+    out_dirs = list(node.attr("scan_output_directions") or [0] * outs)
+
+    def split(shape, axis):  # the scanned axis T as (segments, k)
+        return [*shape[:axis], segments, k, *shape[axis + 1:]]
+
+    before, reshaped = [], []
+    for v, a in zip(node.inputs[n:], in_axes):
+        target = _int_initializer(graph, names, f"{v.name}_segments_shape", split(v.static_shape, a))
+        r = Value(names.fresh(f"{v.name}_by_segment"), v.elem_type, tuple(split(v.static_shape, a)))
+        before.append(Node("Reshape", [v, target], [r], names.fresh(f"{v.name}/Reshape"), phase=node.phase))
+        reshaped.append(r)
+
+    state_in = [names.fresh(f"{vi.name}_segment") for vi in body.input[:n]]
+    slice_in = [names.fresh(f"{vi.name}_segment") for vi in body.input[n:]]
+    state_out = [names.fresh(f"{vi.name}_segment") for vi in body.output[:n]]
+    slice_out = [names.fresh(f"{vi.name}_segment") for vi in body.output[n:]]
+    inner = helper.make_node("Scan", state_in + slice_in, state_out + slice_out,
+                             name=names.fresh(f"{node.name}/segment_scan"), body=body, num_scan_inputs=m,
+                             scan_input_axes=in_axes, scan_input_directions=in_dirs,
+                             scan_output_axes=[b for b in out_axes], scan_output_directions=out_dirs)
+    inputs = [_renamed_info(vi, name) for vi, name in zip(body.input[:n], state_in)]
+    inputs += [helper.make_tensor_value_info(name, v.elem_type, [k if i == a else d for i, d in
+                                                                 enumerate(v.static_shape)])
+               for name, v, a in zip(slice_in, node.inputs[n:], in_axes)]
+    outputs = [_renamed_info(vi, name) for vi, name in zip(body.output[:n], state_out)]
+    outputs += [helper.make_tensor_value_info(name, v.elem_type, [k if i == b else d for i, d in
+                                                                  enumerate(v.static_shape)])
+                for name, v, b in zip(slice_out, node.outputs[n:], out_axes)]
+    outer_body = helper.make_graph([inner], f"{body.name or 'body'}_segments", inputs, outputs)
+
+    stacked = [Value(names.fresh(f"{v.name}_by_segment"), v.elem_type, tuple(split(v.static_shape, b)))
+               for v, b in zip(node.outputs[n:], out_axes)]
+    scan = Node("Scan", [*node.inputs[:n], *reshaped], [*node.outputs[:n], *stacked], node.name,
+                [helper.make_attribute("body", outer_body), helper.make_attribute("num_scan_inputs", m),
+                 helper.make_attribute("scan_input_axes", in_axes),
+                 helper.make_attribute("scan_input_directions", in_dirs),
+                 helper.make_attribute("scan_output_axes", out_axes),
+                 helper.make_attribute("scan_output_directions", out_dirs)], phase=node.phase)
+    after = []
+    for v, s in zip(node.outputs[n:], stacked):
+        target = _int_initializer(graph, names, f"{v.name}_rows_shape", list(v.static_shape))
+        after.append(Node("Reshape", [s, target], [v], names.fresh(f"{v.name}/Reshape"), phase=node.phase))
+    graph.insert_before(node, before + [scan] + after)
+    node.detach()
+    graph.reorder([x for x in graph.nodes if x is not node])
+    attach_implicit_inputs(graph, scan)
+
+
+def _int_initializer(graph: Graph, names: Names, base: str, values: list[int]) -> Value:
+    v = Value(names.fresh(base), TensorProto.INT64, (len(values),))
+    graph.initializers[v.name] = numpy_helper.from_array(np.array(values, np.int64), v.name)
+    graph.values[v.name] = v
+    return v

@@ -178,7 +178,8 @@ def segment_loops(graph: Graph, reaches_loss: set[int], names: Names) -> dict[st
     """Rewrite the loops on the gradient's path into loops over segments of about √T iterations (segments.py)."""
     chosen = segments.plan(graph, reaches_loss)
     for name, k in chosen.items():
-        segments.segment(graph, next(n for n in graph.nodes if n.name == name and n.op_type == "Loop"), k, names)
+        node = next(n for n in graph.nodes if n.name == name and n.op_type in ("Loop", "Scan"))
+        (segments.segment if node.op_type == "Loop" else segments.segment_scan)(graph, node, k, names)
     return chosen
 
 
