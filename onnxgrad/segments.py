@@ -4,12 +4,12 @@ Differentiated as it is, a Loop stores its carry at every iteration (rules/loops
 segments whose body is a loop over the segment's iterations, the outer loop stores only the carry each segment
 starts from, and the backward of each segment recomputes the segment's inner loop, which stores its k carries
 for the time that segment's backward runs: T/k + k carries alive instead of T, about 2√T at k = √T, for one
-more forward pass of the loop. No gradient code is involved: the two loops are differentiated by the Loop rule.
+more forward pass of the loop. No gradient code is involved: both loops are differentiated by their rules.
 
 `plan` decides (which loops, which k); `segment` rewrites one Loop, `segment_scan` one Scan. Only Loops with a
 constant trip count that nothing ends early, and Scans whose scanned tensors have static shapes, are segmented,
-and k divides T, so every segment has the same length (a Loop's scan outputs
-must have one shape across iterations); a T with no divisor near √T (a prime) is left as it is.
+and k divides T, so every segment has the same length (a loop's scan outputs must have one shape across
+iterations); a T with no divisor near √T (a prime) is left as it is.
 """
 from __future__ import annotations
 
