@@ -217,6 +217,29 @@ def test_loop_constant_trip_count():
     check_gradients(loop_graph("const"), ["loss"], ["x", "h0", "w"], loop_feeds(), opset=13)
 
 
+def _untyped_in_bodies(g: onnx.GraphProto) -> list[str]:
+    """Values that the nodes of g's subgraphs (nested ones too) produce and that have no shape there."""
+    missing = []
+    for node in g.node:
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                typed = {v.name for v in [*a.g.value_info, *a.g.input, *a.g.output]
+                         if v.type.tensor_type.HasField("shape")}
+                missing += [o for n in a.g.node for o in n.output if o and o not in typed]
+                missing += _untyped_in_bodies(a.g)
+    return missing
+
+
+@pytest.mark.parametrize("mirror", [None, "mxnet"])
+def test_every_value_in_the_loop_bodies_is_typed(mirror):
+    """The forward and backward bodies, and with recomputation the segment loops inside them, are typed as
+    the rest of the graph is: every value a node there writes has its shape in the body's value_info."""
+    for fwd, wrt in [(_make(loop_graph("const", S=16), np.float32, 13), ["x", "h0", "w"]),
+                     (_make(scan_graph(S=16), np.float32, 18), ["x", "z", "a0", "w"])]:
+        train = onnxgrad.build(fwd, requires_grad=wrt, mirror=mirror).model
+        assert not _untyped_in_bodies(train.graph)
+
+
 @pytest.mark.parametrize("trips", [1, 3, 4])
 def test_loop_runtime_trip_count(trips):
     """One training graph serves every trip count: the stacked carries have as many rows as iterations ran."""
