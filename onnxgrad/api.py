@@ -57,11 +57,12 @@ def build_gradient(model: str | os.PathLike | onnx.ModelProto, *, loss: str | No
 def build(model, *, loss=None, requires_grad=None, frozen=None, also_grad=None, input_shapes=None,
           dims=None, feed_head_grads: bool = False, loss_fn=None, target=None, loss_options=None,
           optimizer=None, optimizer_options=None, weights_apart: bool = False, mirror: str | None = None,
-          mirror_options: dict | None = None) -> BuildResult:
+          mirror_options: dict | None = None, loop_bounds: dict[str, int] | None = None) -> BuildResult:
     """Like `build_gradient`, with a report. `feed_head_grads` gives scalar losses a `<loss>_grad` input
     too (instead of the constant 1), e.g. to scale the loss or to compute vector-Jacobian products.
     `weights_apart`: leave the large weights out of `model` (stubs, see weights.py) and in `weights`, for
-    `io.save_model` to stream to disk without another copy in memory."""
+    `io.save_model` to stream to disk without another copy in memory. `loop_bounds`: Loop node name -> the
+    most iterations it runs, for loops with a condition and no trip count (the loop stops at the bound)."""
     # A build makes millions of small objects that live until it ends; the cyclic collector would scan
     # them over and over (a quarter of the time at 100k nodes) and find nothing to free.
     was_enabled = gc.isenabled()
@@ -71,7 +72,7 @@ def build(model, *, loss=None, requires_grad=None, frozen=None, also_grad=None, 
                       input_shapes=input_shapes, dims=dims, feed_head_grads=feed_head_grads, loss_fn=loss_fn,
                       target=target, loss_options=loss_options or {}, optimizer=optimizer,
                       optimizer_options=optimizer_options or {}, weights_apart=weights_apart, mirror=mirror,
-                      mirror_options=mirror_options)
+                      mirror_options=mirror_options, loop_bounds=loop_bounds)
     finally:
         if was_enabled:
             gc.enable()
@@ -79,7 +80,7 @@ def build(model, *, loss=None, requires_grad=None, frozen=None, also_grad=None, 
 
 def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims, feed_head_grads, loss_fn, target,
            loss_options, optimizer, optimizer_options, weights_apart=False, mirror=None,
-           mirror_options=None) -> BuildResult:
+           mirror_options=None, loop_bounds=None) -> BuildResult:
     from . import pipeline, weights
     from .contract import BACKWARD, FORWARD, OPTIMIZER, RECOMPUTE
 
@@ -89,7 +90,7 @@ def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims,
                                input_shapes=input_shapes or {}, dims=dims or {}, feed_head_grads=feed_head_grads,
                                loss_fn=loss_fn, target=target, loss_options=loss_options, optimizer=optimizer,
                                optimizer_options=optimizer_options, mirror=mirror,
-                               mirror_options=mirror_options or {})
+                               mirror_options=mirror_options or {}, loop_bounds=loop_bounds or {})
     passes = pipeline.training_pipeline()
     # a graph with nothing to differentiate is refused before the later stages (a mirror budget) report on it
     cut = next(k for k, p in enumerate(passes) if "gradient" in p.ensures) + 1
@@ -118,7 +119,7 @@ def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims,
         "backward_nodes": sum(n.phase == BACKWARD for n in graph.nodes),
         "optimizer_nodes": sum(n.phase == OPTIMIZER for n in graph.nodes),
         "rules_used": build.report["rules_used"],
-        **{k: build.report[k] for k in ("mirror",) if k in build.report},
+        **{k: build.report[k] for k in ("mirror", "loop_segments") if k in build.report},
         "passes": build.report["passes"],
         "seconds": round(time.perf_counter() - started, 4),
     }

@@ -75,6 +75,21 @@ def _dims(values: tuple[str, ...]) -> dict[str, int]:
     return dims
 
 
+def _loop_bounds(values: tuple[str, ...]) -> dict[str, int]:
+    """--loop-bound NAME=N, repeated or comma-separated; a loop bound twice or a bound below 1 is an error."""
+    bounds: dict[str, int] = {}
+    for spec in _names(values):
+        name, sep, value = spec.rpartition("=")
+        if not sep or not name or not value.isdigit():
+            raise UsageError(f"--loop-bound {spec!r}: expected NAME=N, e.g. decode=64")
+        if int(value) < 1:
+            raise UsageError(f"--loop-bound {spec}: a bound is at least 1 iteration")
+        if name in bounds:
+            raise UsageError(f"--loop-bound {name}: bound twice; give each loop once")
+        bounds[name] = int(value)
+    return bounds
+
+
 def _shapes(values: tuple[str, ...]) -> dict[str, list[int]]:
     """--input-shape NAME=D1xD2..; an input given twice is an error."""
     from .loader import parse_shape_bindings
@@ -217,6 +232,9 @@ def _model_flags(command):
                      help="Fix a graph input's shape, e.g. x=2x3x224x224."),
         click.option("--dim", metavar="SYMBOL=N", multiple=True,
                      help="Bind a symbolic dimension, e.g. batch=8 (repeatable or comma-separated; once per symbol)."),
+        click.option("--loop-bound", metavar="NAME=N", multiple=True,
+                     help="The most iterations Loop node NAME runs, for a loop with a condition and no trip count "
+                          "(its gradient stores one carry per iteration); the loop stops at N."),
     ]
     tail = [
         click.option("--save", metavar="NODE", multiple=True,
@@ -322,8 +340,8 @@ def _check_budget(text: str) -> None:
                          f"fit, a fraction (0.4x) or auto")
 
 
-def _build_and_write(command, model, output, loss, requires_grad, frozen, also_grad, input_shape, dim, save,
-                     recompute, external_data, report, force, mirror, mirror_extra=None, **training):
+def _build_and_write(command, model, output, loss, requires_grad, frozen, also_grad, input_shape, dim, loop_bound,
+                     save, recompute, external_data, report, force, mirror, mirror_extra=None, **training):
     from .api import build
 
     paths = OutputPaths([model])
@@ -338,7 +356,7 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
     try:
         result = build(model, loss=loss, requires_grad=_names(requires_grad) or None, frozen=_names(frozen),
                        also_grad=_names(also_grad), input_shapes=_shapes(input_shape), dims=_dims(dim),
-                       weights_apart=True, mirror=mirror,
+                       loop_bounds=_loop_bounds(loop_bound), weights_apart=True, mirror=mirror,
                        mirror_options={"save": _names(save), "recompute": _names(recompute),
                                        **(mirror_extra or {})},
                        **_training_options(training))
@@ -371,6 +389,9 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
         log.info("%s: %d forward nodes recomputed; simulated peak %s -> %s (saved for the backward %s -> %s)", out,
                  len(m["recomputed"]), _mib(p["unmirrored_peak_bytes"]), _mib(p["peak_bytes"]),
                  _mib(p["unmirrored_saved_bytes"]), _mib(p["saved_bytes"]))
+        if r.get("loop_segments"):  # rewritten before the gradient, so the peaks above already include it
+            log.info("%s: loops run as segments, storing a carry per segment: %s", out,
+                     ", ".join(f"{name} in segments of {k}" for name, k in r["loop_segments"].items()))
         if "budget_bytes" in m:
             log.info("%s: budget %s (%s), floor %s; %.2f extra forward passes of recomputation (%s solver%s)",
                      out, m["budget"], _mib(m["budget_bytes"]) if m["budget_bytes"] else "auto",

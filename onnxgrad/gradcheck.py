@@ -41,6 +41,9 @@ def _graph_to_float64(g: onnx.GraphProto) -> None:
     for vi in list(g.input) + list(g.output) + list(g.value_info):
         _type_to_float64(vi.type)
     for node in g.node:
+        if node.op_type == "ConstantOfShape" and not any(a.name == "value" for a in node.attribute):
+            # the default value is a float32 zero
+            node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.zeros(1, np.float64))))
         for a in list(node.attribute):
             if a.name in ("to", "dtype") and a.type == onnx.AttributeProto.INT and a.i in FLOAT_TYPES:
                 a.i = TensorProto.DOUBLE

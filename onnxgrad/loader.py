@@ -18,7 +18,7 @@ from onnx.external_data_helper import (ExternalDataInfo, _get_all_tensors, load_
                                       uses_external_data)
 
 from . import weights
-from .errors import InvalidModelError, OnnxgradError, UsageError
+from .errors import InvalidModelError, OnnxgradError, UnsupportedError, UsageError
 
 log = logging.getLogger("onnxgrad")
 
@@ -143,6 +143,11 @@ def upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
                                 f"{onnx.__version__} defines ({MAX_OPSET})")
     if opset >= MIN_OPSET:
         return model
+    if opset < 9:
+        scan = next((n for n in _all_nodes(model.graph) if n.op_type == "Scan" and n.domain in ("", "ai.onnx")), None)
+        if scan is not None:  # the converter's Scan 8 -> 9 adapter changes the ranks of the graph's inputs
+            raise UnsupportedError(f"Scan node {scan.name!r} has opset 8's batched form, which onnx's version "
+                                   f"converter does not convert faithfully; export the model at opset 9 or newer")
     try:
         with _stdout_to_log():
             converted = version_converter.convert_version(model, MIN_OPSET)
@@ -150,6 +155,14 @@ def upgrade_opset(model: onnx.ModelProto) -> onnx.ModelProto:
         reason = _converter_reason(e, opset)
         raise InvalidModelError(f"cannot convert opset {opset} to {MIN_OPSET}: {reason}") from None
     return converted
+
+
+def _all_nodes(g: onnx.GraphProto):
+    for node in g.node:
+        yield node
+        for a in node.attribute:
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                yield from _all_nodes(sub)
 
 
 def _converter_reason(e: Exception, opset: int) -> str:
@@ -240,6 +253,114 @@ def infer_shapes(model: onnx.ModelProto) -> onnx.ModelProto:
         return shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except Exception as e:
         raise InvalidModelError(f"shape inference failed: {_first_line(e)}") from None
+
+
+def type_loop_carries(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Type the carried outputs of Loop and Scan nodes that onnx's inference leaves unshaped (it keeps only the
+    element type of a Loop's carries, and TorchScript's exports leave the body's carries unshaped too).
+
+    A body carry without a shape gets its initial value's type; where the inferred body then gives each carry
+    back with the shape it received (a fixed point, so every iteration sees that shape), the loop's output
+    takes it, and the graph is inferred again. A carry whose shape changes leaves the model as it was."""
+    graph = model.graph
+    types = {vi.name: vi.type for vi in [*graph.input, *graph.value_info]}
+    types.update({t.name: onnx.helper.make_tensor_type_proto(t.data_type, list(t.dims)) for t in graph.initializer})
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    _constants_into_bodies(out.graph)
+    fixed: dict[str, onnx.TypeProto] = {}
+    for node in out.graph.node:
+        body = next((a.g for a in node.attribute if a.name == "body"), None)
+        carries = _carries(node)
+        if not carries:
+            continue
+        first = 1 if node.op_type == "Loop" else 0
+        for k, (body_in, initial) in enumerate(carries):
+            t = types.get(initial)
+            if body_in.type.HasField("tensor_type") and not body_in.type.tensor_type.HasField("shape") and \
+                    t is not None and t.HasField("tensor_type") and t.tensor_type.HasField("shape"):
+                body_in.type.CopyFrom(t)
+            if k < len(node.output) and node.output[k] and first + k < len(body.output) and \
+                    body_in.type.tensor_type.HasField("shape"):
+                fixed[node.output[k]] = (node.name, body.output[first + k].name, body_in.type)
+    if not fixed:
+        return model
+    inferred = infer_shapes(out)
+    bodies = {n.name: next(a.g for a in n.attribute if a.name == "body") for n in inferred.graph.node if _carries(n)}
+    for name, (node_name, body_out, carry_type) in list(fixed.items()):
+        body = bodies[node_name]
+        got = next((vi.type for vi in [*body.output, *body.value_info] if vi.name == body_out), None)
+        if got is None or got.tensor_type.shape != carry_type.tensor_type.shape:
+            return model
+    known = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
+    changed = False
+    for name, (_, _, carry_type) in fixed.items():
+        vi = known.get(name)
+        if vi is not None and vi.type.tensor_type.HasField("shape"):
+            continue
+        if vi is None:
+            vi = inferred.graph.value_info.add(name=name)
+        vi.type.CopyFrom(carry_type)
+        changed = True
+    return infer_shapes(inferred) if changed else inferred
+
+
+def _constants_into_bodies(graph: onnx.GraphProto) -> None:
+    """Copy the small integer constants (axes, shapes) that Loop and Scan bodies read from outside into the bodies,
+    so onnx's inference of a body sees their values (it does not look outside the body for them)."""
+    import numpy as np
+
+    from .ir import names_defined_in
+
+    small = {}
+    for n in graph.node:
+        if n.op_type == "Constant" and len(n.output) == 1:
+            a = next((a for a in n.attribute if a.name == "value" and a.type == onnx.AttributeProto.TENSOR), None)
+            if a is not None and a.t.data_type in (onnx.TensorProto.INT64, onnx.TensorProto.INT32) and \
+                    int(np.prod(a.t.dims, dtype=np.int64)) <= 64 and len(a.t.dims) <= 1:
+                small[n.output[0]] = a.t
+    if not small:
+        return
+    taken = {o for n in graph.node for o in n.output} | {v.name for v in graph.input}
+    for n in graph.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                taken |= names_defined_in(a.g)
+    for n in graph.node:
+        body = next((a.g for a in n.attribute if a.name == "body"), None) if _carries(n) else None
+        if body is None:
+            continue
+        local = {}
+        for node in body.node:
+            for k, name in enumerate(node.input):
+                if name in small and name not in local:
+                    fresh, i = f"{name}_in_body", 1
+                    while fresh in taken:
+                        fresh, i = f"{name}_in_body_{i}", i + 1
+                    taken.add(fresh)
+                    local[name] = fresh
+                if name in local:
+                    node.input[k] = local[name]
+        copies = [onnx.helper.make_node("Constant", [], [local[name]], name=local[name], value=small[name])
+                  for name in local]
+        kept = [onnx.NodeProto() for _ in body.node]
+        for copy, node in zip(kept, body.node):
+            copy.CopyFrom(node)
+        del body.node[:]
+        body.node.extend(copies + kept)
+
+
+def _carries(node: onnx.NodeProto):
+    """(body input, outer initial value) of each carried value of a Loop or Scan node."""
+    body = next((a.g for a in node.attribute if a.name == "body"), None)
+    if body is None or node.domain not in ("", "ai.onnx"):
+        return []
+    if node.op_type == "Loop":
+        return [(body.input[2 + i], name) for i, name in enumerate(node.input[2:]) if 2 + i < len(body.input)]
+    if node.op_type == "Scan":
+        m = next((a.i for a in node.attribute if a.name == "num_scan_inputs"), 0)
+        return [(body.input[i], name) for i, name in enumerate(node.input[:len(node.input) - m])]
+    return []
 
 
 def check(model: onnx.ModelProto) -> None:

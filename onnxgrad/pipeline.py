@@ -30,6 +30,7 @@ class Options:
     also_grad: list[str] | None = None
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
     dims: dict[str, int] = field(default_factory=dict)
+    loop_bounds: dict[str, int] = field(default_factory=dict)  # Loop node name -> most iterations
     feed_head_grads: bool = False
     loss_fn: str | None = None
     target: str | None = None

@@ -172,7 +172,9 @@ def check_model(forward: Callable, backward: Callable, x: dict, wrt: list[str], 
         np.testing.assert_allclose(jt_rows, j_fd, rtol=tol * 10, atol=tol * 10,
                                    err_msg=f"{where}Jacobian rows (backward) differ from finite differences")
 
-    # the float32 graph in stock onnxruntime agrees
+    # the float32 graph in stock onnxruntime agrees (None: a half-precision model, which its caller checks)
+    if train32 is None:
+        return
     c = [rng.standard_normal(s) for s in out_shapes]
     got = gradcheck.float32_vjp(train32, x, dict(zip(heads, c)), wrt)
     expect = vjp(c)

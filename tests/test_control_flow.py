@@ -483,22 +483,6 @@ def test_sequence_with_a_runtime_position_is_refused():
         onnxgrad.build(_make(graph, np.float32, 18), requires_grad=["x"])
 
 
-# -- Loop and Scan -------------------------------------------------------------------------------------------------
-def test_loop_on_the_gradient_path_is_refused():
-    def graph(elem, dtype):
-        body = h.make_graph([h.make_node("Identity", ["cond_in"], ["cond_out"]),
-                             h.make_node("Mul", ["acc_in", "w"], ["acc_out"])], "body",
-                            [vi("i", T.INT64, []), vi("cond_in", T.BOOL, []), vi("acc_in", elem, [3])],
-                            [vi("cond_out", T.BOOL, []), vi("acc_out", elem, [3])])
-        return h.make_graph([h.make_node("Loop", ["trip", "", "x"], ["acc"], body=body, name="repeat"),
-                             h.make_node("ReduceSum", ["acc"], ["loss"], keepdims=0)], "g", [vi("x", elem, [3])],
-                            [vi("loss", elem, [])], [const("trip", 3), const("w", [1.0, 2.0, 0.5], dtype)],
-                            value_info=[vi("acc", elem, [3])])
-    with pytest.raises(UnsupportedError, match=r"Loop node 'repeat': gradients through Loop are not supported; "
-                                               r"export the model with the loop unrolled"):
-        onnxgrad.build(_make(graph, np.float32, 18), requires_grad=["w"])
-
-
 # -- BatchNormalization in training mode ---------------------------------------------------------------------------
 def bn_graph(shape, opset_attrs=None):
     C = shape[1]
@@ -627,17 +611,3 @@ def test_torch_training_export_matches_autograd(tmp_path):
     for name, p in params.items():  # conv.bias's true gradient is 0: BatchNorm removes the channel mean
         np.testing.assert_allclose(out[name + "_grad"], p.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
     assert np.abs(params["bn.weight"].grad.numpy()).min() > 1e-3
-
-
-def test_scan_on_the_gradient_path_is_refused():
-    def graph(elem, dtype):
-        body = h.make_graph([h.make_node("Mul", ["row", "w"], ["scaled"]),
-                             h.make_node("Add", ["acc_in", "scaled"], ["acc_out"])], "body",
-                            [vi("acc_in", elem, [3]), vi("row", elem, [3])], [vi("acc_out", elem, [3])])
-        return h.make_graph([h.make_node("Scan", ["zeros", "x"], ["acc"], body=body, num_scan_inputs=1, name="sweep"),
-                             h.make_node("ReduceSum", ["acc"], ["loss"], keepdims=0)], "g", [vi("x", elem, [4, 3])],
-                            [vi("loss", elem, [])], [const("zeros", np.zeros(3), dtype),
-                                                     const("w", [1.0, 2.0, 0.5], dtype)],
-                            value_info=[vi("acc", elem, [3])])
-    with pytest.raises(UnsupportedError, match=r"Scan node 'sweep': gradients through Scan are not supported"):
-        onnxgrad.build(_make(graph, np.float32, 18), requires_grad=["w"])

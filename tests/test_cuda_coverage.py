@@ -175,3 +175,21 @@ def test_gpu_check_reads_placement_memory_and_prints_one_table(gpu_check):
     lines = table.splitlines()
     assert len(lines) == 4 and "| mlp | none | none | 1.0e-07 | 1.50 | 2.00 | 0.75x | 100 | n/a | ok |" == lines[2]
     assert lines[3].startswith("| cnn | n/a | none | n/a |")
+
+
+def _loop_models():
+    from test_control_flow import _make
+    from test_loops import loop_graph, scan_graph
+    return {"scan": (_make(scan_graph(in_dirs=(1, 0), out_axes=(1, 0)), np.float32, 18), ["x", "z", "a0", "w", "v"]),
+            "loop": (_make(loop_graph("input", "data"), np.float32, 13), ["x", "h0", "w"])}
+
+
+@pytest.mark.parametrize("name", ["scan", "loop"])
+def test_scan_and_loop_training_graphs_run_on_cuda(name):
+    """The forward loop with its stacked carries and the backward loop, bodies included, have CUDA kernels."""
+    fwd, wrt = _loop_models()[name]
+    train = onnxgrad.build(fwd, requires_grad=wrt).model
+    assert not added_fallbacks(fwd, train)
+    assert not fallback_nodes(train)
+    ran, total = cuda_coverage(train)
+    assert ran == total and total > 2 * len(fwd.graph.node)

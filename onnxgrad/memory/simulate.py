@@ -193,12 +193,32 @@ def scratch_bytes(node: Node, nbytes: dict[int, int]) -> int:
         return 0
     if node.op_type == "Where" and node.outputs[0].name:
         return 2 * nbytes[id(node.outputs[0])]
+    if node.op_type in ("Loop", "Scan"):
+        return loop_bytes(node, nbytes)
     if node.op_type == "ConvTranspose":
         x, w = node.inputs[0], node.inputs[1]
         if x.shape and w.shape and all(isinstance(d, int) for d in (*x.shape, *w.shape)):
             columns = w.shape[1] * math.prod(w.shape[2:])  # ConvTranspose's weight is [C_in, C_out/group, k...]
             return columns * math.prod(x.shape[2:]) * itemsize(x.elem_type)
     return 0
+
+
+def loop_bytes(node: Node, nbytes: dict[int, int]) -> int:
+    """A loop's working memory: its body's own peak, and for a Loop, its scan outputs once more (onnxruntime keeps
+    each iteration's scan outputs and concatenates them when the loop ends, so both are alive then). A body whose
+    sizes are not all known counts zero there, so the figure errs low."""
+    from ..ir import from_model
+    import onnx
+    extra = 0
+    if node.op_type == "Loop":
+        extra = sum(nbytes.get(id(v), 0) for v in node.outputs[len(node.inputs) - 2:])
+    body = node.attr("body")
+    try:
+        graph = from_model(onnx.helper.make_model(body, opset_imports=[onnx.helper.make_opsetid("", 21)]))
+        extra += simulate(graph).dynamic_peak
+    except UsageError:
+        pass
+    return extra
 
 
 def _alive_at(graph: Graph, k: int, nbytes: dict[int, int], last: dict, kept: set[int],

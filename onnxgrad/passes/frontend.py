@@ -39,7 +39,7 @@ class Infer(Pass):
     def run(self, build: Build) -> None:
         proto, o = build.proto, build.options
         loader.bind_shapes(proto, o.input_shapes, o.dims)
-        proto = loader.infer_shapes(proto)
+        proto = loader.type_loop_carries(loader.infer_shapes(proto))
         proto = fold_to_fixed_point(proto)  # exporters' little axes/shape subgraphs, until none is left
         build.graph = from_model(proto, build.held)
         build.proto = None

@@ -2,13 +2,15 @@
 and name each gradient as an output `<x>_grad`."""
 from __future__ import annotations
 
-from onnx import helper
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
 
+from .. import segments
 from ..builder import Builder, Names
 from ..contract import BACKWARD, GRAD_SUFFIX
 from ..errors import UnsupportedError, UsageError
-from ..gradient import differentiate
-from ..ir import Graph, Value
+from ..gradient import differentiate, reaching_heads
+from ..ir import Graph, Node, Value, names_defined_in
 from ..pipeline import Build, Pass
 
 
@@ -22,13 +24,22 @@ class Gradient(Pass):
 
     def run(self, build: Build) -> None:
         o, graph, heads = build.options, build.graph, build.heads
+        names = build.new_names()
+        for node in graph.nodes:  # names the rewrites below make must not shadow one a subgraph defines
+            for sub in node.subgraphs():
+                for name in names_defined_in(sub):
+                    names.reserve(name)
+        bound_loops(graph, o.loop_bounds, names)
+        if o.mirror is not None:  # recomputation asked for: loops store a carry per segment, not per iteration
+            build.report["loop_segments"] = segment_loops(graph, build.reaches_loss, names)
+            if build.report["loop_segments"]:
+                build.reaches_loss = reaching_heads(graph, heads)
         xs = select_parameters(graph, heads, build.reaches_loss, o.requires_grad, o.frozen)
         us = [find_value(graph, name, "--also-grad") for name in o.also_grad or []]
         for u in us:
             if u.elem_type is not None and not u.is_float:
                 raise UsageError(f"--also-grad {u.name}: has a non-floating-point type, so no gradient")
 
-        names = build.new_names()
         for v in xs + us:
             name = v.name + GRAD_SUFFIX
             if names.taken(name):
@@ -142,6 +153,34 @@ def finalize_outputs(graph: Graph, xs, us, grads: dict[str, Value | None], names
         g.elem_type, g.shape = v.elem_type, v.shape
         claimed.add(id(g))
         graph.outputs.append(g)
+
+
+def bound_loops(graph: Graph, bounds: dict[str, int], names: Names) -> None:
+    """--loop-bound NAME=N: Loop node NAME runs at most N iterations (its trip count becomes N, or the least of
+    N and the trip count it has), so the carries its gradient stores are bounded."""
+    loops = {n.name: n for n in graph.nodes if n.op_type == "Loop" and not n.domain}
+    for name, bound in bounds.items():
+        node = loops.get(name)
+        if node is None:
+            known = ", ".join(sorted(repr(k) for k in loops if k)) or "none"
+            raise UsageError(f"--loop-bound {name}={bound}: no Loop node of that name (Loop nodes: {known})")
+        limit = Value(names.fresh(f"{name}_bound"), TensorProto.INT64, ())
+        graph.initializers[limit.name] = numpy_helper.from_array(np.array(bound, np.int64), limit.name)
+        graph.values[limit.name] = limit
+        if node.inputs[0] is not None:
+            least = Value(names.fresh(f"{name}_bounded_trips"), TensorProto.INT64, ())
+            graph.insert_before(node, [Node("Min", [node.inputs[0], limit], [least], names.fresh(f"{name}_bound/Min"))])
+            limit = least
+        node.set_input(0, limit)
+
+
+def segment_loops(graph: Graph, reaches_loss: set[int], names: Names) -> dict[str, int]:
+    """Rewrite the loops on the gradient's path into loops over segments of about √T iterations (segments.py)."""
+    chosen = segments.plan(graph, reaches_loss)
+    for name, k in chosen.items():
+        node = next(n for n in graph.nodes if n.name == name and n.op_type in ("Loop", "Scan"))
+        (segments.segment if node.op_type == "Loop" else segments.segment_scan)(graph, node, k, names)
+    return chosen
 
 
 def find_value(graph: Graph, name: str, flag: str) -> Value:

@@ -11,7 +11,7 @@ draw would differ from the forward one.
 
 LSTM, GRU, RNN and the sequence ops are rewritten into plain tensor ops before the gradient pass
 (onnxgrad/unroll.py). Their rules below are reached only when that rewrite declined a node; they raise the
-reason, so the error names the form and what to do. Loop and Scan are refused the same way.
+reason, so the error names the form and what to do. Scan and Loop have their rules in rules/loops.py.
 """
 from __future__ import annotations
 
@@ -229,19 +229,3 @@ def sequence_at(ctx):
 def concat_from_sequence(ctx):
     """a Concat (of Unsqueezed tensors for new_axis=1) by onnxgrad/unroll.py; reached only when that declined"""
     return _declined(ctx)
-
-
-@rule("Loop", since=13, limits="not differentiable: unroll the loop when exporting")
-def loop(ctx):
-    """refused: the loop's body would have to be differentiated per iteration"""
-    raise ctx.unsupported("gradients through Loop are not supported; export the model with the loop unrolled "
-                          "(a Python for-loop over a fixed count traced by torch.onnx.export unrolls it), or keep "
-                          "the Loop off the path from the parameters to the loss")
-
-
-@rule("Scan", since=13, limits="not differentiable: unroll the scan when exporting")
-def scan(ctx):
-    """refused: the scan's body would have to be differentiated per iteration"""
-    raise ctx.unsupported("gradients through Scan are not supported; export the model with the scan unrolled "
-                          "(or as LSTM/GRU/RNN ops, which onnxgrad unrolls), or keep the Scan off the path from "
-                          "the parameters to the loss")
