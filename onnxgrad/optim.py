@@ -263,7 +263,8 @@ UPDATES: dict[str, Callable] = {"sgd": sgd, "momentum": sgd, "adam": adam, "adam
 
 
 # -- mixed precision: skip a step whose gradients overflowed, and update the loss scale ----------------------
-SCALER_COUNTERS = ("loss_scale.good_steps", "loss_scale.skipped_steps")
+SKIPPED_STEPS = "loss_scale.skipped_steps"
+SCALER_COUNTERS = ("loss_scale.good_steps", SKIPPED_STEPS)
 
 
 def _skip_on_overflow(graph: Graph, op: Builder, scaler: dict, grads: list[Value], results: dict) -> None:

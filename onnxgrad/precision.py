@@ -42,7 +42,8 @@ SCALER_FLAGS = {"init_scale": "--loss-scale-init", "growth_interval": "--loss-sc
 def precision_settings(precision: str, loss_scale: str | None = None, scaler: dict | None = None) -> dict:
     """The checked settings of a build's precision: {"precision", "loss_scale": None or the scaler's settings}.
     `loss_scale`: "dynamic" or "none"; by default dynamic for fp16 and none for bf16 and fp32 (bfloat16 has
-    float32's exponent range, so its gradients do not underflow where float32's would not)."""
+    float32's exponent range, so its gradients do not underflow where float32's would not). Dynamic scaling in
+    fp32 is allowed: it changes no number but the scale, and runs where half-precision kernels do not."""
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision}: expected one of {', '.join(PRECISIONS)}")
     scaler = {k: v for k, v in (scaler or {}).items() if v is not None}
@@ -50,8 +51,6 @@ def precision_settings(precision: str, loss_scale: str | None = None, scaler: di
         raise UsageError(f"--loss-scale {loss_scale}: expected dynamic or none")
     if loss_scale is None:
         loss_scale = "dynamic" if precision == "fp16" else "none"
-    if loss_scale == "dynamic" and precision == "fp32":
-        raise UsageError("--loss-scale dynamic: goes with --precision fp16 or bf16")
     unknown = sorted(set(scaler) - set(SCALER_DEFAULTS))
     if unknown:
         raise UsageError(f"loss scaler option {unknown[0]!r}: expected one of {', '.join(SCALER_DEFAULTS)}")

@@ -36,17 +36,20 @@ class Precision(Pass):
 
     def wanted(self, build: Build) -> bool:
         settings = build.options.precision
-        if build.training_graph and settings["precision"] != "fp32":
-            raise UsageError(f"--precision {settings['precision']}: the model is already a training graph; give "
-                             f"the forward model instead")
-        return settings["precision"] != "fp32"
+        asked = settings["precision"] != "fp32" or settings["loss_scale"] is not None
+        if build.training_graph and asked:
+            flag = f"--precision {settings['precision']}" if settings["precision"] != "fp32" else "--loss-scale"
+            raise UsageError(f"{flag}: the model is already a training graph (written by onnxgrad build-grad); "
+                             f"give the forward model instead")
+        return asked
 
     def run(self, build: Build) -> None:
         settings = build.options.precision
-        half = HALF_TYPES[settings["precision"]]
         graph = build.graph
-        counts = cast_to_precision(graph, build.new_names(), half, build.heads)
-        build.reaches_loss = reaching_heads(graph, build.heads)
+        counts = {"half_nodes": 0, "casts": 0}
+        if settings["precision"] != "fp32":
+            counts = cast_to_precision(graph, build.new_names(), HALF_TYPES[settings["precision"]], build.heads)
+            build.reaches_loss = reaching_heads(graph, build.heads)
         graph.metadata[PRECISION_KEY] = json.dumps(settings, separators=(",", ":"))
         build.report["precision"] = {**settings, **counts}
 

@@ -1,0 +1,242 @@
+"""Mixed-precision training graphs (--precision fp16/bf16, dynamic loss scaling), checked in numpy.
+
+onnxruntime's CPU provider has no float16 or bfloat16 kernels for MatMul, Gemm, Add or Conv, so the numbers are
+checked with onnx.reference.ReferenceEvaluator (float16 natively, bfloat16 through ml_dtypes)."""
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import onnxgrad
+from onnxgrad.errors import UsageError
+from precision_models import blobs, initial_state, reference_steps, shipped, shipped_feeds, tanh_classifier
+
+HALF = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+# ||g_half - g_fp32|| / ||g_fp32|| per parameter, the denominator at least 1% of the largest gradient's norm (a
+# gradient that is zero in exact arithmetic, as attention's key bias, is compared at that scale). The
+# half-precision rounding unit is 2^-11 (fp16) and 2^-8 (bf16); measured worst cases: 1.9e-3 and 1.2e-2.
+GRAD_TOL = {"fp16": 5e-3, "bf16": 3e-2}
+FORWARD_CAST = re.compile(r"/(fp16|bf16|fp32)/Cast(_\d+)?$")  # the Casts the precision pass writes
+CE = {"loss_fn": "cross-entropy", "target": "logits"}
+
+
+def types(model: onnx.ModelProto) -> dict[str, int]:
+    g = model.graph
+    return {v.name: v.type.tensor_type.elem_type for v in [*g.input, *g.output, *g.value_info]} | \
+        {t.name: t.data_type for t in g.initializer}
+
+
+def allows(op_type: str, opset: int, elem_type: int) -> bool:
+    schema = onnx.defs.get_schema(op_type, opset)
+    name = {TensorProto.FLOAT16: "tensor(float16)", TensorProto.BFLOAT16: "tensor(bfloat16)"}[elem_type]
+    return all(name in c.allowed_type_strs for c in schema.type_constraints if c.type_param_str == "T")
+
+
+def gradients(model, precision, feeds, **options) -> dict[str, np.ndarray]:
+    train = onnxgrad.build_gradient(model, precision=precision, **options)
+    names = [o.name for o in train.graph.output if o.name.endswith("_grad")]
+    return dict(zip(names, ReferenceEvaluator(train).run(names, feeds)))
+
+
+def gradient_errors(ref: dict, got: dict) -> dict[str, float]:
+    floor = 1e-2 * max(np.linalg.norm(v) for v in ref.values())
+    return {k: float(np.linalg.norm(got[k].astype(np.float64) - ref[k]) / max(np.linalg.norm(ref[k]), floor))
+            for k in ref}
+
+
+# -- the rewrite ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("optimizer", [None, "adamw"])
+def test_fp32_writes_the_same_bytes_as_before(optimizer):
+    fwd = shipped("mlp")
+    assert (onnxgrad.build_gradient(fwd, optimizer=optimizer, precision="fp32").SerializeToString()
+            == onnxgrad.build_gradient(fwd, optimizer=optimizer).SerializeToString())
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_autocast_lists_and_master_weights(name, precision):
+    fwd = shipped(name)
+    step = onnxgrad.build_gradient(fwd, optimizer="adam", precision=precision)
+    half, t = HALF[precision], types(step)
+    opset = next(o.version for o in step.opset_import if o.domain in ("", "ai.onnx"))
+    forward = [n for n in step.graph.node if n.name in {m.name for m in fwd.graph.node}]
+    for n in forward:
+        out = t[n.output[0]]
+        if n.op_type in ("MatMul", "Gemm", "Conv"):
+            if allows(n.op_type, opset, half):
+                assert out == half and all(t[i] == half for i in n.input), n.name
+            else:  # Conv takes bfloat16 from opset 22 on
+                assert out == TensorProto.FLOAT and all(t[i] == TensorProto.FLOAT for i in n.input), n.name
+        if n.op_type in ("LayerNormalization", "SoftmaxCrossEntropyLoss", "ReduceMean", "Softmax"):
+            assert out == TensorProto.FLOAT and t[n.input[0]] == TensorProto.FLOAT, n.name
+    # parameters, optimizer state and the graph's own outputs stay float32
+    pairs, state = initial_state(step)
+    for name in pairs:
+        if name not in ("step", "loss_scale.good_steps", "loss_scale.skipped_steps"):
+            assert t[name] == TensorProto.FLOAT and t[pairs[name]] == TensorProto.FLOAT, name
+    for o in fwd.graph.output:
+        assert t[o.name] == TensorProto.FLOAT
+    # one Cast per value and precision, shared by its readers
+    forward_casts = [n for n in step.graph.node if n.op_type == "Cast" and FORWARD_CAST.search(n.name)]
+    casts = Counter((n.input[0], helper.get_attribute_value(n.attribute[0])) for n in forward_casts)
+    assert casts and max(casts.values()) == 1
+    assert any(t[v] == half for v in t)
+    meta = {p.key: p.value for p in step.metadata_props}
+    assert json.loads(meta["onnxgrad.precision"])["precision"] == precision
+
+
+def test_half_activation_meeting_a_float32_activation_runs_in_float32():
+    """A residual sum of a float32 input and a half MatMul result is promoted to float32 (as PyTorch does); a
+    bias (an initializer) added to a half result runs in half."""
+    w = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
+    b = numpy_helper.from_array(np.ones(4, np.float32), "b")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+             helper.make_node("Add", ["y", "b"], ["yb"], name="bias"),
+             helper.make_node("Add", ["yb", "x"], ["r"], name="residual"),
+             helper.make_node("ReduceSum", ["r"], ["loss"], name="sum", keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w, b])
+    train = onnxgrad.build_gradient(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]),
+                                    precision="fp16")
+    t = types(train)
+    assert t["y"] == t["yb"] == TensorProto.FLOAT16
+    assert t["r"] == TensorProto.FLOAT
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    # at the default scale (65536) the fp16 gradient of this sum (up to 10 per element) would overflow
+    got = ReferenceEvaluator(train).run(["w_grad", "b_grad"], {"x": x, "loss_scale": np.array(1.0, np.float32)})
+    assert np.allclose(got[0], np.repeat(x.sum(0)[:, None], 4, 1)) and np.allclose(got[1], 2)
+
+
+# -- the numbers ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["tanh", "cnn", "transformer"])
+def test_half_gradients_agree_with_float32(name, precision):
+    if name == "tanh":
+        model, data, options = tanh_classifier(), blobs(16), CE
+    else:
+        model, data, options = shipped(name), shipped_feeds(name), {}
+    ref = gradients(model, "fp32", data, **options)
+    got = gradients(model, precision, data, **options)
+    assert set(got) == set(ref) and all(v.dtype == np.float32 for v in got.values())
+    errors = gradient_errors(ref, got)
+    assert max(errors.values()) < GRAD_TOL[precision], errors
+    assert max(errors.values()) > 0  # half precision did run
+
+
+def test_fp16_gradients_of_the_relu_mlp():
+    """The Relu model in fp16 (bf16 flips the sign of near-zero pre-activations: BENCHMARKS.md gives the figures)."""
+    ref = gradients(shipped("mlp"), "fp32", shipped_feeds("mlp"))
+    got = gradients(shipped("mlp"), "fp16", shipped_feeds("mlp"))
+    assert max(gradient_errors(ref, got).values()) < GRAD_TOL["fp16"]
+
+
+def test_training_graph_loss_scale_is_unscaled():
+    """Without an optimizer, an fp16 training graph has a loss_scale input; its gradients come out unscaled."""
+    train = onnxgrad.build_gradient(tanh_classifier(), precision="fp16", **CE)
+    assert "loss_scale" in [i.name for i in train.graph.input]
+    data = blobs(16)
+    ev = ReferenceEvaluator(train)
+    a = ev.run(["w1_grad"], {**data, "loss_scale": np.array(1.0, np.float32)})[0]
+    b = ev.run(["w1_grad"], {**data, "loss_scale": np.array(1000.0, np.float32)})[0]
+    assert np.abs(a - b).max() <= 1e-2 * np.abs(a).max()
+    assert not np.array_equal(a, b)  # fp16 rounds the scaled values otherwise: the scale reached the backward
+    c = ev.run(["w1_grad"], {**data, "loss_scale": np.array(1e9, np.float32)})[0]
+    assert not np.isfinite(c).all()  # and a scale too large overflows it
+
+
+def train_losses(precision: str, steps: int = 200, **options) -> tuple[list[float], dict]:
+    step = onnxgrad.build_gradient(tanh_classifier(), optimizer="adam", optimizer_options={"lr": 0.01},
+                                   precision=precision, **CE, **options)
+    return reference_steps(step, blobs(64), steps)
+
+
+def test_200_steps_in_half_precision_end_within_1_percent_of_float32():
+    final = {p: train_losses(p)[0][-1] for p in ("fp32", "fp16", "bf16")}
+    assert final["fp32"] < 0.1  # it learned
+    for p in ("fp16", "bf16"):
+        assert abs(final[p] - final["fp32"]) <= 0.01 * final["fp32"], final
+
+
+# -- dynamic loss scaling -----------------------------------------------------------------------------------------
+
+def test_overflow_skips_exactly_that_step_and_halves_the_scale():
+    step = onnxgrad.build_gradient(tanh_classifier(), optimizer="adam", precision="fp16", **CE)
+    pairs, state = initial_state(step)
+    ev = ReferenceEvaluator(step)
+    data = blobs(16)
+    names = list(pairs.values())
+
+    def run(state):
+        out = dict(zip(names, ev.run(names, {**data, **state})))
+        return {name: out[nxt] for name, nxt in pairs.items()}
+
+    state = run(state)                                    # a good step
+    assert state["step"] == 1 and state["loss_scale.good_steps"] == 1
+    before = dict(state, loss_scale=np.array(3e38, np.float32))  # the fp16 gradients overflow at this scale
+    after = run(before)
+    for name in pairs:
+        if not name.startswith("loss_scale"):
+            assert after[name].dtype == before[name].dtype and after[name].tobytes() == before[name].tobytes(), name
+    assert after["loss_scale"] == np.float32(1.5e38)
+    assert after["loss_scale.good_steps"] == 0 and after["loss_scale.skipped_steps"] == 1
+    again = run(dict(after, loss_scale=np.array(65536.0, np.float32)))  # the next step updates again
+    assert again["step"] == 2 and again["loss_scale.skipped_steps"] == 1
+    assert not np.array_equal(again["w1"], after["w1"])
+
+
+def test_scale_grows_after_the_interval():
+    losses, state = train_losses("fp16", steps=6, loss_scale_options={"growth_interval": 2, "init_scale": 8.0})
+    assert state["loss_scale"] == 64.0 and state["loss_scale.good_steps"] == 0
+    assert state["loss_scale.skipped_steps"] == 0
+
+
+def test_bf16_has_no_loss_scale_unless_asked():
+    step = onnxgrad.build_gradient(tanh_classifier(), optimizer="sgd", precision="bf16", **CE)
+    assert "loss_scale" not in [i.name for i in step.graph.input]
+    step = onnxgrad.build_gradient(tanh_classifier(), optimizer="sgd", precision="bf16", loss_scale="dynamic", **CE)
+    assert "loss_scale.next" in [o.name for o in step.graph.output]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"precision": "fp8"}, "--precision fp8: expected one of fp32, fp16, bf16"),
+    ({"precision": "fp16", "loss_scale": "static"}, "--loss-scale static"),
+    ({"precision": "bf16", "loss_scale_options": {"init_scale": 8.0}}, "--loss-scale-init: needs dynamic"),
+    ({"precision": "fp16", "loss_scale_options": {"init_scale": -1.0}}, "--loss-scale-init -1: must be"),
+    ({"precision": "fp16", "loss_scale_options": {"growth_interval": 0}}, "--loss-scale-interval 0"),
+    ({"precision": "fp16", "loss_scale_options": {"warmup": 3}}, "loss scaler option 'warmup'"),
+])
+def test_bad_precision_options(kwargs, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        onnxgrad.build_gradient(tanh_classifier(), **CE, **kwargs)
+
+
+def test_precision_of_a_training_graph_is_refused():
+    train = onnxgrad.build_gradient(tanh_classifier(), **CE)
+    with pytest.raises(UsageError, match="--precision fp16: the model is already a training graph"):
+        onnxgrad.build_gradient(train, precision="fp16")
+
+
+def test_cli_precision(tmp_path):
+    from click.testing import CliRunner
+    from onnxgrad.cli import cli
+    src = tmp_path / "m.onnx"
+    onnx.save(tanh_classifier(), src)
+    out = tmp_path / "step.onnx"
+    r = CliRunner().invoke(cli, ["build-grad", str(src), "-o", str(out), "--loss-fn", "cross-entropy",
+                                 "--optimizer", "sgd", "--precision", "fp16", "--loss-scale-interval", "50",
+                                 "--report", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["precision"]["precision"] == "fp16" and report["precision"]["loss_scale"]["growth_interval"] == 50
+    assert report["precision"]["half_nodes"] >= 2
+    r = CliRunner().invoke(cli, ["build-grad", str(src), "-o", str(out), "--precision", "fp8"])
+    assert r.exit_code == 2 and "fp8" in r.output
