@@ -240,3 +240,51 @@ def test_cli_precision(tmp_path):
     assert report["precision"]["half_nodes"] >= 2
     r = CliRunner().invoke(cli, ["build-grad", str(src), "-o", str(out), "--precision", "fp8"])
     assert r.exit_code == 2 and "fp8" in r.output
+
+
+# -- train: the scaler's state is checkpointed and the skipped steps reported (in onnxruntime: loss scaling in
+# fp32 changes only the scale, and the CPU provider runs it) ------------------------------------------------------
+
+def scaled_fp32_step() -> onnx.ModelProto:
+    # 2^127, next to float32's largest, and a summed loss: the first steps overflow (skipped, the scale halves
+    # each time), then training goes on
+    return onnxgrad.build_gradient(tanh_classifier(), **CE, loss_options={"reduction": "sum"}, optimizer="adam",
+                                   optimizer_options={"lr": 0.01}, loss_scale="dynamic",
+                                   loss_scale_options={"init_scale": 2.0 ** 127, "growth_interval": 3})
+
+
+def overflowing_data(rows: int) -> dict[str, np.ndarray]:
+    data = blobs(rows)
+    return {"x": data["x"] * 100, "target": data["target"]}
+
+
+def test_train_reports_skipped_steps_and_resumes_the_scaler(tmp_path):
+    from onnxgrad.runner import StepGraphTrainer
+    step = scaled_fp32_step()
+    data = overflowing_data(24)
+    straight = StepGraphTrainer(step, provider="cpu", threads=1)
+    full = straight.fit(data, steps=12, batch=8, seed=3)
+    assert 0 < full.skipped_steps < 12 and full.to_json()["skipped_steps"] == full.skipped_steps
+    assert full.loss_scale < 2.0 ** 127 and full.losses[-1] < full.losses[0]
+
+    first = StepGraphTrainer(step, provider="cpu", threads=1)
+    ck = tmp_path / "ck.npz"
+    first.fit(data, steps=5, batch=8, seed=3, checkpoint=ck)
+    second = StepGraphTrainer(step, provider="cpu", threads=1)
+    second.load_checkpoint(ck)
+    rest = second.fit(data, steps=12, batch=8, seed=3)
+    assert rest.skipped_steps == full.skipped_steps and rest.loss_scale == full.loss_scale
+    a, b = straight.state_dict(), second.state_dict()
+    assert {"loss_scale", "loss_scale.good_steps", "loss_scale.skipped_steps"} <= set(a)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_cli_train_prints_skipped_steps(tmp_path):
+    from click.testing import CliRunner
+    from onnxgrad.cli import cli
+    onnx.save(scaled_fp32_step(), tmp_path / "step.onnx")
+    np.savez(tmp_path / "d.npz", **overflowing_data(16))
+    r = CliRunner().invoke(cli, ["train", str(tmp_path / "step.onnx"), "--data", str(tmp_path / "d.npz"),
+                                 "--steps", "4", "--batch", "8", "--quiet", "--provider", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert "steps skipped on overflow (loss scale" in r.output
