@@ -122,5 +122,6 @@ def training_pipeline() -> list[Pass]:
         mirror.Mirror(),
         schedule.Schedule(),
         optimizer.AppendOptimizer(),
+        precision.WidenBfloat16(),
         validate.Validate(),
     ]

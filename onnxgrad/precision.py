@@ -19,6 +19,10 @@ HALF_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 
 # run in half precision: the float32 inputs of their type are cast to half
 HALF_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Attention"})
+# ...but in float32 in bf16, because their gradients could not run in bfloat16: a Conv's input gradient is a
+# ConvTranspose (and a ConvTranspose's a Conv), which onnxruntime's CUDA provider has no bfloat16 kernel for, and
+# Attention's gradient rule contracts with Einsum, which ONNX defines for no bfloat16 type
+NOT_IN_BF16 = frozenset({"Conv", "ConvTranspose", "Attention"})
 # run in float32: half inputs are cast back up
 FLOAT32_OPS = frozenset({
     # reductions, and the ops that sum along an axis

@@ -16,6 +16,7 @@ from onnx.reference import ReferenceEvaluator
 
 import onnxgrad
 from onnxgrad.errors import UsageError
+from onnxgrad.precision import NOT_IN_BF16
 from precision_models import blobs, initial_state, reference_steps, shipped, shipped_feeds, tanh_classifier
 
 HALF = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
@@ -71,9 +72,9 @@ def test_autocast_lists_and_master_weights(name, precision):
     for n in forward:
         out = t[n.output[0]]
         if n.op_type in ("MatMul", "Gemm", "Conv"):
-            if allows(n.op_type, opset, half):
+            if allows(n.op_type, opset, half) and not (precision == "bf16" and n.op_type in NOT_IN_BF16):
                 assert out == half and all(t[i] == half for i in n.input), n.name
-            else:  # Conv takes bfloat16 from opset 22 on
+            else:  # Conv takes bfloat16 from opset 22 on, and its gradient has no bfloat16 CUDA kernel
                 assert out == TensorProto.FLOAT and all(t[i] == TensorProto.FLOAT for i in n.input), n.name
         if n.op_type in ("LayerNormalization", "SoftmaxCrossEntropyLoss", "ReduceMean", "Softmax"):
             assert out == TensorProto.FLOAT and t[n.input[0]] == TensorProto.FLOAT, n.name
@@ -288,3 +289,28 @@ def test_cli_train_prints_skipped_steps(tmp_path):
                                  "--steps", "4", "--batch", "8", "--quiet", "--provider", "cpu"])
     assert r.exit_code == 0, r.output
     assert "steps skipped on overflow (loss scale" in r.output
+
+
+def test_bf16_pad_and_comparisons_run_on_float32_copies():
+    """onnxruntime's CUDA provider has no bfloat16 Pad, Greater or ArgMax: Slice's gradient (a Pad) runs in
+    float32 between Casts, comparisons read float32 copies, and the gradients are unchanged."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+             helper.make_node("Slice", ["y", "starts", "ends", "axes"], ["s"], name="slice"),
+             helper.make_node("Relu", ["s"], ["r"], name="relu"),
+             helper.make_node("ReduceMean", ["r"], ["loss"], name="mean", keepdims=0)]
+    ints = [numpy_helper.from_array(np.array([v], np.int64), n) for n, v in (("starts", 1), ("ends", 5), ("axes", 1))]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w, *ints])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    train = onnxgrad.build_gradient(model, precision="bf16")
+    t = types(train)
+    for n in train.graph.node:
+        if n.op_type in ("Pad", "Greater", "ArgMax"):
+            assert t[n.input[0]] == TensorProto.FLOAT, n.name
+    assert any(n.op_type == "Pad" for n in train.graph.node)
+    from onnxgrad.cuda import fallback_nodes
+    assert not fallback_nodes(train)
+    x = {"x": np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)}
+    ref, got = gradients(model, "fp32", x), gradients(model, "bf16", x)
+    assert max(gradient_errors(ref, got).values()) < GRAD_TOL["bf16"]

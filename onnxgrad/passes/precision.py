@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 import onnx.defs
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from ..builder import Builder, Names
 from ..contract import BACKWARD, FORWARD, GRAD_SUFFIX, LOSS_SCALE_INPUT, PRECISION_KEY
@@ -23,7 +23,7 @@ from ..errors import UsageError
 from ..gradient import reaching_heads
 from ..ir import Graph, Node, Value
 from ..pipeline import Build, Pass
-from ..precision import FLOAT32_OPS, HALF_OPS, HALF_TYPES
+from ..precision import FLOAT32_OPS, HALF_OPS, HALF_TYPES, NOT_IN_BF16
 
 F32 = TensorProto.FLOAT
 TYPE_NAMES = {F32: "tensor(float)", TensorProto.FLOAT16: "tensor(float16)", TensorProto.BFLOAT16: "tensor(bfloat16)"}
@@ -154,7 +154,8 @@ class _Rewrite:
         if node.op_type in FLOAT32_OPS:
             return F32
         if node.op_type in HALF_OPS:
-            return self.half if castable else F32
+            kept = self.half == TensorProto.BFLOAT16 and node.op_type in NOT_IN_BF16
+            return self.half if castable and not kept else F32
         # the other ops follow their inputs: half when a half input meets only half values and weights
         # (initializers, constants), float32 when it meets a float32 activation (as PyTorch promotes a sum)
         ins = [node.inputs[i] for i in castable]
@@ -258,3 +259,69 @@ def add_scalar_input(graph: Graph, name: str, initial: np.ndarray) -> Value:
     graph.values[name] = v
     graph.inputs.append(v)
     return v
+
+
+# Ops onnxruntime's CUDA provider has no bfloat16 kernel for, which gradient rules and the schedule write
+# (onnxgrad/cuda.py's table). Comparisons and ArgMax read float32 copies of their bfloat16 inputs: widening is
+# exact, so the booleans and indices are the same. Pad (the gradient of Slice, Gather and strided Conv) runs in
+# float32 between two Casts: it only moves and adds zeros, so the result is the same bits.
+BF16_WIDENED = frozenset({"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal", "ArgMax", "ArgMin"})
+BF16_THROUGH_FLOAT32 = frozenset({"Pad"})
+
+
+class WidenBfloat16(Pass):
+    """Give the nodes of a bf16 graph that the CUDA provider has no bfloat16 kernel for float32 inputs."""
+
+    name = "widen_bf16"
+    requires = frozenset({"gradient", "scheduled", "precision"})
+
+    def wanted(self, build: Build) -> bool:
+        return build.options.precision["precision"] == "bf16" and "precision" in build.facts
+
+    def run(self, build: Build) -> None:
+        graph, names = build.graph, build.new_names()
+        bf16 = TensorProto.BFLOAT16
+        wide: dict[int, Value] = {}
+        order: list[Node] = []
+        widened = 0
+        for node in list(graph.nodes):
+            through = node.op_type in BF16_THROUGH_FLOAT32
+            if node.domain not in ("", "ai.onnx") or not (through or node.op_type in BF16_WIDENED):
+                order.append(node)
+                continue
+            data_bf16 = bool(node.inputs) and node.inputs[0] is not None and _elem_type(node.inputs[0]) == bf16
+            for i, v in enumerate(node.inputs):
+                if v is None or _elem_type(v) != bf16:
+                    continue
+                if id(v) not in wide:
+                    op = Builder(graph, names, prefix=f"{v.name}/fp32", phase=node.phase)
+                    wide[id(v)] = op.Cast(v, to=F32)
+                    wide[id(v)].elem_type = F32
+                    order.extend(op.emitted)
+                node.set_input(i, wide[id(v)])
+                widened += 1
+            order.append(node)
+            if through and data_bf16:
+                for k, o in enumerate(node.outputs):
+                    if o.elem_type in (bf16, None):
+                        # the node now writes a float32 value; a Cast back writes `o`, which keeps its readers
+                        w = Value(names.fresh(f"{o.name}/fp32"), F32, o.shape)
+                        node.outputs[k] = w
+                        w.producer, w.index = node, k
+                        graph.values[w.name] = w
+                        o.elem_type = bf16
+                        order.append(Node("Cast", [w], [o], names.fresh(f"{node.name}/bf16/Cast"),
+                                          [helper.make_attribute("to", bf16)], phase=node.phase))
+        if widened:
+            graph.reorder(order)
+        build.report.setdefault("precision", {})["widened_inputs"] = widened
+
+
+VIEWS = frozenset({"Reshape", "Slice", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity", "Expand"})
+
+
+def _elem_type(v: Value) -> int | None:
+    """v's element type; for a value the builder left untyped, that of the view it is made from."""
+    while v.elem_type is None and v.producer is not None and v.producer.op_type in VIEWS and v.producer.inputs:
+        v = v.producer.inputs[0]
+    return v.elem_type
