@@ -209,3 +209,16 @@ def test_gpu_check_reads_placement_memory_and_prints_one_table(gpu_check):
     lines = table.splitlines()
     assert len(lines) == 4 and "| mlp | none | none | 1.0e-07 | 1.50 | 2.00 | 0.75x | 100 | n/a | ok |" == lines[2]
     assert lines[3].startswith("| cnn | n/a | none | n/a |")
+
+
+def test_gpu_check_sets_half_precision_rows_against_float32(gpu_check):
+    rows = [{"model": "mlp", "precision": "fp32", "ours_ms": 2.0, "ours_mib": 100.0, "torch_ms": 4.0,
+             "torch_mib": 50.0},
+            {"model": "mlp fp16", "precision": "fp16", "ours_ms": 1.0, "ours_mib": 60.0, "torch_ms": 2.0,
+             "torch_mib": None},
+            {"model": "cnn bf16", "precision": "bf16", "cli": "failed: X"}]
+    lines = gpu_check.format_precision_table(rows).splitlines()
+    assert lines[2] == "| mlp | fp16 | 0.50x | 0.60x | 0.50x | n/a |"
+    assert lines[3] == "| cnn | bf16 | n/a | n/a | n/a | n/a |"
+    skipped = gpu_check.check_model("mlp", 1, 1, 0.01, False, device="cpu", precision="fp16")
+    assert skipped["model"] == "mlp fp16" and skipped["cli"].startswith("skipped: the CPU provider")

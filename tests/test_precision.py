@@ -314,3 +314,30 @@ def test_bf16_pad_and_comparisons_run_on_float32_copies():
     x = {"x": np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)}
     ref, got = gradients(model, "fp32", x), gradients(model, "bf16", x)
     assert max(gradient_errors(ref, got).values()) < GRAD_TOL["bf16"]
+
+
+# -- memory ---------------------------------------------------------------------------------------------------
+
+def test_simulated_activation_peak_of_a_half_precision_graph_is_about_half():
+    """The simulator sizes each value by its element type, so the half-precision activations count 2 bytes."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_mirror import mlp32
+    from onnxgrad.ir import from_model
+    from onnxgrad.memory.simulate import simulate
+    from onnxgrad.shapes import type_everything
+
+    timelines = {}
+    for precision in ("fp32", "fp16", "bf16"):
+        step = onnxgrad.build_gradient(mlp32(layers=16, width=64), loss_fn="mse", optimizer="sgd",
+                                       precision=precision, dims={"N": 512})
+        graph = from_model(step)
+        type_everything(graph)
+        timelines[precision] = simulate(graph)
+    base = timelines["fp32"]
+    for precision in ("fp16", "bf16"):
+        t = timelines[precision]
+        saved = sum(b for _, b in t.saved) / sum(b for _, b in base.saved)
+        assert 0.45 < t.dynamic_peak / base.dynamic_peak < 0.6 and 0.45 < saved < 0.6, (precision, saved)
+        assert t.static >= base.static  # float32 master weights (and the scaler's state in fp16)
