@@ -388,3 +388,31 @@ def test_every_rule_case_in_half_precision_agrees_with_float32():
         ran += 1
     assert not off, off
     assert ran >= 890 and len(not_run) <= 26, (ran, not_run)
+
+
+def test_if_bodies_stay_float32_and_the_values_they_read_too():
+    """The branches of an If are not rewritten: they and the producers of the outer values they read run in
+    float32, and the MatMul before them still runs in half."""
+    vi = helper.make_tensor_value_info
+    then = helper.make_graph([helper.make_node("Mul", ["a", "a"], ["t"])], "then", [], [vi("t", TensorProto.FLOAT, [4, 3])])
+    other = helper.make_graph([helper.make_node("Neg", ["a"], ["t"])], "else", [], [vi("t", TensorProto.FLOAT, [4, 3])])
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32), "w")
+    zero = numpy_helper.from_array(np.array(0.0, np.float32), "zero")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("Tanh", ["h"], ["a"], name="act"),
+             helper.make_node("ReduceSum", ["x"], ["sx"], keepdims=0, name="sx"),
+             helper.make_node("Greater", ["sx", "zero"], ["cond"], name="cond"),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other, name="branch"),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="loss")]
+    g = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, [4, 5])], [vi("loss", TensorProto.FLOAT, [])],
+                          [w, zero])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    train = onnxgrad.build_gradient(model, precision="fp16", requires_grad=["w"])
+    t = types(train)
+    assert t["h"] == TensorProto.FLOAT16 and t["a"] == TensorProto.FLOAT and t["y"] == TensorProto.FLOAT
+    for sign in (1.0, -1.0):
+        x = {"x": sign * np.abs(np.random.default_rng(1).standard_normal((4, 5))).astype(np.float32),
+             "loss_scale": np.array(1.0, np.float32)}
+        ref = gradients(model, "fp32", {"x": x["x"]}, requires_grad=["w"])
+        got = dict(zip(["w_grad"], ReferenceEvaluator(train).run(["w_grad"], x)))
+        assert max(gradient_errors(ref, got).values()) < GRAD_TOL["fp16"]

@@ -12,6 +12,7 @@ scale (`optim.add_optimizer`, `scaler`)."""
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 
 import numpy as np
 import onnx.defs
@@ -173,28 +174,26 @@ class _Formal:
         self.inputs, self.outputs, self.allowed = inputs, outputs, allowed
 
 
-_SCHEMAS: dict[tuple[str, int, int], _Formal | None] = {}
-
-
 def _formal_types(node: Node, opset: int) -> _Formal | None:
-    key = (node.op_type, opset, len(node.inputs) * 1000 + len(node.outputs))
-    if key not in _SCHEMAS:
-        try:
-            schema = onnx.defs.get_schema(node.op_type, opset, "")
-        except onnx.defs.SchemaError:
-            _SCHEMAS[key] = None
-            return None
-        allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+    return _formal(node.op_type, opset, len(node.inputs), len(node.outputs))
 
-        def spread(formals, count):
-            params = [f.type_str if f.type_str in allowed else None for f in formals]
-            variadic = bool(formals) and formals[-1].option == onnx.defs.OpSchema.FormalParameterOption.Variadic
-            while len(params) < count:
-                params.append(params[-1] if variadic and params else None)
-            return params[:max(count, len(formals))]
-        _SCHEMAS[key] = _Formal(spread(schema.inputs, len(node.inputs)), spread(schema.outputs, len(node.outputs)),
-                                allowed)
-    return _SCHEMAS[key]
+
+@lru_cache(maxsize=None)
+def _formal(op_type: str, opset: int, inputs: int, outputs: int) -> _Formal | None:
+    """The type parameters of an ai.onnx op's inputs and outputs at `opset` (a variadic last formal repeats)."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return None
+    allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+
+    def spread(formals, count):
+        params = [f.type_str if f.type_str in allowed else None for f in formals]
+        variadic = bool(formals) and formals[-1].option == onnx.defs.OpSchema.FormalParameterOption.Variadic
+        while len(params) < count:
+            params.append(params[-1] if variadic and params else None)
+        return params
+    return _Formal(spread(schema.inputs, inputs), spread(schema.outputs, outputs), allowed)
 
 
 def _allows(formal: _Formal, i: int, half: int) -> bool:
