@@ -416,3 +416,19 @@ def test_if_bodies_stay_float32_and_the_values_they_read_too():
         ref = gradients(model, "fp32", {"x": x["x"]}, requires_grad=["w"])
         got = dict(zip(["w_grad"], ReferenceEvaluator(train).run(["w_grad"], x)))
         assert max(gradient_errors(ref, got).values()) < GRAD_TOL["fp16"]
+
+
+def test_an_output_computed_in_half_keeps_its_name_and_type_also_when_listed_twice():
+    w = numpy_helper.from_array(np.eye(3, dtype=np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"),
+                           helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="sum")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in
+                           (("loss", []), ("y", [2, 3]), ("y", [2, 3]))], [w])
+    train = onnxgrad.build_gradient(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]),
+                                    precision="bf16")
+    outs = [(o.name, o.type.tensor_type.elem_type) for o in train.graph.output]
+    assert outs[:3] == [("loss", TensorProto.FLOAT), ("y", TensorProto.FLOAT), ("y", TensorProto.FLOAT)]
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    y, wg = ReferenceEvaluator(train).run(["y", "w_grad"], {"x": x})
+    assert np.array_equal(y, x) and np.array_equal(wg, np.repeat(x.sum(0)[:, None], 3, 1))

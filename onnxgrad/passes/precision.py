@@ -69,6 +69,9 @@ def cast_to_precision(graph: Graph, names: Names, half: int, heads: list[Value])
     for k, v in enumerate(graph.outputs):
         if v.elem_type == half and id(v) in rewrite.versions:
             f = rewrite.get(v, F32)
+            if any(o is f for o in graph.outputs):  # the same value output twice: renamed the first time
+                graph.outputs[k] = f
+                continue
             original = v.name
             graph.rename(v, names.fresh(original + "/" + _short(half)))
             graph.rename(f, original)
