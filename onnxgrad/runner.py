@@ -99,7 +99,9 @@ def run_training_graph(model: onnx.ModelProto, steps: int = 1, lr: float = 0.1, 
     if not params:
         raise UsageError("the model has no <param>_grad outputs: is it a graph written by onnxgrad build-grad?")
     inferred = onnx.shape_inference.infer_shapes(model)
-    feeds = random_feeds(inferred, dims or {}, seed, skip=set(params))
+    # a loss scale (build-grad --loss-scale) keeps its stored value, as the parameters do
+    stored = {t.name for t in model.graph.initializer}
+    feeds = random_feeds(inferred, dims or {}, seed, skip=set(params) | ({LOSS_SCALE_INPUT} & stored))
     if data:
         arrays = read_npz(data, "--data")
         unknown = sorted(set(arrays) - set(feeds))

@@ -432,3 +432,13 @@ def test_an_output_computed_in_half_keeps_its_name_and_type_also_when_listed_twi
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     y, wg = ReferenceEvaluator(train).run(["y", "w_grad"], {"x": x})
     assert np.array_equal(y, x) and np.array_equal(wg, np.repeat(x.sum(0)[:, None], 3, 1))
+
+
+def test_run_feeds_no_random_loss_scale():
+    """`onnxgrad run` on a training graph with a loss_scale input keeps its stored scale (a power of two, so the
+    unscaled float32 gradients are those of the graph without scaling, bit for bit)."""
+    from onnxgrad.runner import run_training_graph
+    plain = run_training_graph(onnxgrad.build_gradient(shipped("mlp")), steps=3, provider="cpu")
+    scaled = run_training_graph(onnxgrad.build_gradient(shipped("mlp"), loss_scale="dynamic"), steps=3,
+                                provider="cpu")
+    assert scaled == plain
