@@ -442,3 +442,25 @@ def test_run_feeds_no_random_loss_scale():
     scaled = run_training_graph(onnxgrad.build_gradient(shipped("mlp"), loss_scale="dynamic"), steps=3,
                                 provider="cpu")
     assert scaled == plain
+
+
+@pytest.mark.parametrize("command", ["run", "check", "train"])
+def test_half_precision_graphs_on_the_cpu_provider_are_refused_in_one_line(command, tmp_path, capsys):
+    """The CPU provider lacks half kernels (the cnn's MaxPool gradient, a ScatterElements add, has none in fp16);
+    `check` first tries float64, where it can, and refuses only when it would run the graph's own types."""
+    from onnxgrad.cli import main
+    optimizer = "sgd" if command == "train" else None
+    onnx.save(onnxgrad.build_gradient(shipped("cnn"), precision="fp16", optimizer=optimizer), tmp_path / "g.onnx")
+    np.savez(tmp_path / "d.npz", x=np.ones((8, 1, 8, 8), np.float32), labels=np.arange(8) % 10)
+    args = [command, str(tmp_path / "g.onnx")] + (["--data", str(tmp_path / "d.npz"), "--batch", "8",
+                                                    "--provider", "cpu"] if command == "train" else [])
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "the graph computes in fp16 (build-grad --precision fp16)" in err and "--provider cuda" in err
+
+
+def test_check_verifies_a_half_precision_training_graph_in_float64(tmp_path, capsys):
+    from onnxgrad.cli import main
+    onnx.save(onnxgrad.build_gradient(shipped("mlp"), precision="fp16"), tmp_path / "g.onnx")
+    assert main(["check", str(tmp_path / "g.onnx")]) == 0
+    assert "precision float64" in capsys.readouterr().out
