@@ -4,7 +4,7 @@ the numbers of half-precision training in onnx's ReferenceEvaluator (numpy; bflo
     .venv/bin/python bench/bench_precision.py [--models mlp32,resnet50,gpt12] [--image 224] [--steps 200]
 
 Peaks: `onnxgrad.memory.simulate` on the step graph (loss, gradient, SGD update), at the batch of
-bench_mirror.py, with each value at its element type's size. Numbers: the gradients of the shipped models and
+bench_mirror.py, with each value at its element type's size; without and with `--mirror` (MXNet's policy). Numbers: the gradients of the shipped models and
 of a small Tanh classifier against the float32 graph's (||g - g32|| / ||g32||, the worst parameter, the
 denominator at least 1% of the largest gradient's norm), and the loss after `--steps` full-batch Adam steps
 (lr 0.01) of that classifier on 64 rows of four Gaussian blobs.
@@ -37,15 +37,20 @@ def peaks(name: str, args) -> list[dict]:
     forward = make(args)
     rows = []
     for precision in PRECISIONS:
-        started = time.perf_counter()
-        result = onnxgrad.build(forward, dims=dims, optimizer="sgd", precision=precision, **extra)
-        seconds = time.perf_counter() - started
-        graph = from_model(result.model)
-        type_everything(graph)
-        t = simulate(graph, dims)
-        rows.append({"model": name, "precision": precision, "peak": t.peak, "dynamic": t.dynamic_peak,
-                     "saved": sum(b for _, b in t.saved), "build_s": seconds,
-                     "precision_s": result.report["passes"].get("precision", 0.0)})
+        row = {"model": name, "precision": precision}
+        for mirror in (None, "mxnet"):
+            started = time.perf_counter()
+            result = onnxgrad.build(forward, dims=dims, optimizer="sgd", precision=precision, mirror=mirror, **extra)
+            seconds = time.perf_counter() - started
+            graph = from_model(result.model)
+            type_everything(graph)
+            t = simulate(graph, dims)
+            if mirror is None:
+                row.update({"peak": t.peak, "dynamic": t.dynamic_peak, "saved": sum(b for _, b in t.saved),
+                            "build_s": seconds, "precision_s": result.report["passes"].get("precision", 0.0)})
+            else:
+                row.update({"mirrored_dynamic": t.dynamic_peak, "mirrored_saved": sum(b for _, b in t.saved)})
+        rows.append(row)
     return rows
 
 
@@ -73,15 +78,20 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     args = ap.parse_args(argv)
 
-    print("| model | precision | simulated peak | dynamic peak | saved for the backward | build s (precision pass) |")
-    print("|---|---|---|---|---|---|")
+    print("| model | precision | simulated peak | dynamic peak | saved for the backward | with `--mirror` (mxnet): "
+          "dynamic peak | saved | build s (precision pass) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.models.split(",") if args.models else []:
         rows = peaks(name, args)
         base = rows[0]
+
+        def vs(r, key):
+            return "" if r is base else f" ({r[key] / base[key]:.2f}x)"
         for r in rows:
-            ratio = "" if r is base else f" ({r['dynamic'] / base['dynamic']:.2f}x)"
-            print(f"| {name} | {r['precision']} | {format_bytes(r['peak'])} | {format_bytes(r['dynamic'])}{ratio} | "
-                  f"{format_bytes(r['saved'])} | {r['build_s']:.2f} ({r['precision_s']:.2f}) |", flush=True)
+            print(f"| {name} | {r['precision']} | {format_bytes(r['peak'])} | {format_bytes(r['dynamic'])}"
+                  f"{vs(r, 'dynamic')} | {format_bytes(r['saved'])} | {format_bytes(r['mirrored_dynamic'])}"
+                  f"{vs(r, 'mirrored_dynamic')} | {format_bytes(r['mirrored_saved'])} | "
+                  f"{r['build_s']:.2f} ({r['precision_s']:.2f}) |", flush=True)
 
     print("\n| model | worst gradient error fp16 | bf16 |")
     print("|---|---|---|")
