@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .builder import Builder, Names
 from .errors import UsageError
-from .contract import GRAD_SUFFIX, LOSS_SCALE_INPUT, NEXT_SUFFIX, OPTIMIZER, OPTIMIZER_KEY, STATE_KEY
+from .contract import GRAD_SUFFIX, LOSS_SCALE_INPUT, NEXT_SUFFIX, OPTIMIZER, OPTIMIZER_KEY, PRECISION_KEY, STATE_KEY
 from .ir import Graph, Value, from_model
 from .weights import should_stub, stub_of
 
@@ -97,11 +97,13 @@ def append_optimizer(train: onnx.ModelProto, kind: str, *, parameters: list[str]
     'adamw') applied to each parameter (default: every initializer with a `<p>_grad` output), with hyper
     parameters lr, momentum, nesterov, betas, eps, weight_decay, clip_grad_norm, accumulate, keep_grads.
     `weights`: for a skeleton (weights.py), the map that holds its stubs' data; large new state tensors go
-    there too, and into the step graph as stubs."""
+    there too, and into the step graph as stubs. A training graph built with dynamic loss scaling (its
+    `onnxgrad.precision` metadata) gets the loss scaler's update too."""
     settings = optimizer_settings(kind, hyper)
     graph = from_model(train)
     names = Names([*graph.values, *(n.name for n in graph.nodes)])
-    add_optimizer(graph, names, settings, parameters, weights)
+    scaler = json.loads(graph.metadata[PRECISION_KEY]).get("loss_scale") if PRECISION_KEY in graph.metadata else None
+    add_optimizer(graph, names, settings, parameters, weights, scaler)
     return graph.to_model()
 
 
@@ -269,7 +271,8 @@ SCALER_COUNTERS = ("loss_scale.good_steps", SKIPPED_STEPS)
 
 def _skip_on_overflow(graph: Graph, op: Builder, scaler: dict, grads: list[Value], results: dict) -> None:
     """finite = not isnan(0 * sum of every gradient element): one reduction decides the step (an inf or a NaN
-    anywhere makes the sum inf or NaN, and 0 * inf is NaN). Every state value keeps its input when not finite.
+    anywhere makes the sum inf or NaN, and 0 * inf is NaN; a sum of finite gradients past float32's range, 3.4e38,
+    counts as an overflow too). Every state value keeps its input when not finite.
     The scale (torch's _amp_update_scale_): backoff on overflow; growth after growth_interval finite steps in
     a row, unless the grown scale is infinite."""
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64

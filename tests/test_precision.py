@@ -464,3 +464,36 @@ def test_check_verifies_a_half_precision_training_graph_in_float64(tmp_path, cap
     onnx.save(onnxgrad.build_gradient(shipped("mlp"), precision="fp16"), tmp_path / "g.onnx")
     assert main(["check", str(tmp_path / "g.onnx")]) == 0
     assert "precision float64" in capsys.readouterr().out
+
+
+def test_append_optimizer_to_a_loss_scaled_training_graph_adds_the_scaler():
+    from onnxgrad.optim import append_optimizer
+    train = onnxgrad.build_gradient(tanh_classifier(), precision="fp16", **CE,
+                                    loss_scale_options={"growth_interval": 7})
+    step = append_optimizer(train, "sgd")
+    direct = onnxgrad.build_gradient(tanh_classifier(), precision="fp16", **CE, optimizer="sgd",
+                                     loss_scale_options={"growth_interval": 7})
+    pairs, _ = initial_state(step)
+    assert pairs == initial_state(direct)[0] and "loss_scale" in pairs
+    a, _ = reference_steps(step, blobs(16), 3)
+    b, _ = reference_steps(direct, blobs(16), 3)
+    assert a == b
+
+
+def test_mirroring_a_bf16_step_graph_widens_its_new_nodes_too():
+    """mirror takes up a step graph build-grad wrote in bf16 (no --precision given): the widening pass runs on
+    it too, so the ordering ties and comparisons it adds read float32; the result has every node on CUDA."""
+    from onnxgrad import pipeline
+    from onnxgrad.cuda import fallback_nodes
+    from onnxgrad.ir import from_model
+    from onnxgrad.passes.precision import WidenBfloat16
+    step = onnxgrad.build_gradient(shipped("transformer"), optimizer="sgd", precision="bf16")
+    adopted = pipeline.Build(step, pipeline.Options())
+    adopted.graph = from_model(step)
+    assert WidenBfloat16().wanted(adopted)
+    adopted.graph.metadata.pop("onnxgrad.precision")
+    assert not WidenBfloat16().wanted(adopted)
+    mirrored = onnxgrad.build(step, mirror="mxnet", dims={"N": 4})
+    assert "widen_bf16" in mirrored.report["passes"]
+    assert any(n.name.endswith("_mirror") for n in mirrored.model.graph.node)
+    assert not fallback_nodes(mirrored.model)

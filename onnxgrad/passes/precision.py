@@ -275,10 +275,12 @@ class WidenBfloat16(Pass):
     """Give the nodes of a bf16 graph that the CUDA provider has no bfloat16 kernel for float32 inputs."""
 
     name = "widen_bf16"
-    requires = frozenset({"gradient", "scheduled", "precision"})
+    requires = frozenset({"gradient", "scheduled"})
 
     def wanted(self, build: Build) -> bool:
-        return build.options.precision["precision"] == "bf16" and "precision" in build.facts
+        # a bf16 graph built now, or one build-grad wrote and a later command (mirror) takes up
+        recorded = json.loads(build.graph.metadata.get(PRECISION_KEY, "{}")).get("precision")
+        return "bf16" in (build.options.precision["precision"], recorded)
 
     def run(self, build: Build) -> None:
         graph, names = build.graph, build.new_names()
