@@ -4,8 +4,8 @@ the numbers of half-precision training in onnx's ReferenceEvaluator (numpy; bflo
     .venv/bin/python bench/bench_precision.py [--models mlp32,resnet50,gpt12] [--image 224] [--steps 200] [--real]
 
 Peaks: `onnxgrad.memory.simulate` on the step graph (loss, gradient, SGD update), at the batch of
-bench_mirror.py, with each value at its element type's size; without and with `--mirror` (MXNet's policy). Numbers: the gradients of the shipped models and
-of a small Tanh classifier against the float32 graph's (||g - g32|| / ||g32||, the worst parameter, the
+bench_mirror.py, with each value at its element type's size; without and with `--mirror` (MXNet's policy).
+Numbers: the gradients of the shipped models and of a small Tanh classifier against the float32 graph's (||g - g32|| / ||g32||, the worst parameter, the
 denominator at least 1% of the largest gradient's norm), and the loss after `--steps` full-batch Adam steps
 (lr 0.01) of that classifier on 64 rows of four Gaussian blobs. `--real`: the gradients of fresh torch.onnx
 exports of tests/real_models.py (training graphs without optimizer, fp16 fed loss_scale 1).

@@ -27,8 +27,8 @@
    and `bf16`; `--precisions` to choose), the gradient error taken against the float32 graph on the CPU provider
    and torch running under `torch.autocast` (with a GradScaler for fp16); then one table of each half-precision
    row against its model's float32 row: step time and memory, ours and torch's.
-Takes 1-3 minutes on one GPU per precision. Nothing here needs a GPU to import: tests/test_cuda_coverage.py tests the parts
-that do not.
+Takes 1-3 minutes on one GPU per precision. Nothing here needs a GPU to import: tests/test_cuda_coverage.py tests
+the parts that do not.
 """
 from __future__ import annotations
 

@@ -60,7 +60,8 @@ def precision_settings(precision: str, loss_scale: str | None = None, scaler: di
         raise UsageError(f"loss scaler option {unknown[0]!r}: expected one of {', '.join(SCALER_DEFAULTS)}")
     if scaler and loss_scale != "dynamic":
         key = next(iter(scaler))
-        raise UsageError(f"{SCALER_FLAGS.get(key, key)}: needs dynamic loss scaling (--precision fp16, or --loss-scale dynamic)")
+        raise UsageError(f"{SCALER_FLAGS.get(key, key)}: needs dynamic loss scaling (--precision fp16, or "
+                         f"--loss-scale dynamic)")
     if loss_scale == "none":
         return {"precision": precision, "loss_scale": None}
     s = {**SCALER_DEFAULTS, **scaler}

@@ -394,7 +394,8 @@ def test_if_bodies_stay_float32_and_the_values_they_read_too():
     """The branches of an If are not rewritten: they and the producers of the outer values they read run in
     float32, and the MatMul before them still runs in half."""
     vi = helper.make_tensor_value_info
-    then = helper.make_graph([helper.make_node("Mul", ["a", "a"], ["t"])], "then", [], [vi("t", TensorProto.FLOAT, [4, 3])])
+    then = helper.make_graph([helper.make_node("Mul", ["a", "a"], ["t"])], "then", [],
+                             [vi("t", TensorProto.FLOAT, [4, 3])])
     other = helper.make_graph([helper.make_node("Neg", ["a"], ["t"])], "else", [], [vi("t", TensorProto.FLOAT, [4, 3])])
     w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32), "w")
     zero = numpy_helper.from_array(np.array(0.0, np.float32), "zero")
