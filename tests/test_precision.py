@@ -498,3 +498,29 @@ def test_mirroring_a_bf16_step_graph_widens_its_new_nodes_too():
     assert "widen_bf16" in mirrored.report["passes"]
     assert any(n.name.endswith("_mirror") for n in mirrored.model.graph.node)
     assert not fallback_nodes(mirrored.model)
+
+
+def test_split_loss_scaled_step_graph_runs_as_the_step_graph():
+    """Data-parallel training splits a step graph at the gradients (split.py): the gradient graph reads the
+    loss scale, the update graph skips and rescales; one run of each is one run of the step graph, bitwise, also
+    on a step that overflows."""
+    from onnxgrad import runtime
+    from onnxgrad.split import split_step_graph
+    step = scaled_fp32_step()
+    split = split_step_graph(step)
+    assert "loss_scale" in [i.name for i in split.gradient.graph.input]
+    data = overflowing_data(8)
+    pairs, state = initial_state(step)
+    for scale in (2.0 ** 127, 1.0):  # an overflowing step, then a good one
+        feeds = {**data, **state, "loss_scale": np.array(scale, np.float32)}
+        run = {}
+        for part, model in (("step", step), ("gradient", split.gradient), ("update", split.update)):
+            sess = runtime.session(model)
+            names = [i.name for i in model.graph.input]  # state inputs too (overridable initializers)
+            given = {k: v for k, v in feeds.items() if k in names}
+            if part == "update":
+                given.update({g: run["gradient"][g] for g in split.grads})
+            run[part] = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, given)))
+        assert all(np.array_equal(v, run["step"][k]) for k, v in run["update"].items())
+        skipped = run["step"]["loss_scale.skipped_steps.next"]
+        assert skipped == (1 if scale > 1 else 0)
