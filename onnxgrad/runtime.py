@@ -127,13 +127,14 @@ def model_bytes(model: onnx.ModelProto) -> bytes:
 
 def refuse_half_precision_on_cpu(model: onnx.ModelProto) -> None:
     """A graph build-grad wrote with --precision fp16 or bf16 needs the CUDA provider: the CPU provider lacks
-    half-precision kernels for some of the ops it holds (ScatterElements with add, for one)."""
+    half-precision kernels for some of the ops it holds (in onnxruntime 1.31: bfloat16 MatMul, Gemm, Add and Mul,
+    float16 ScatterElements with add), and what it has is no guide to the CUDA numbers or speed."""
     settings = next((p.value for p in model.metadata_props if p.key == PRECISION_KEY), None)
     precision = json.loads(settings).get("precision") if settings else None
     if precision in ("fp16", "bf16"):
-        raise UsageError(f"the graph computes in {precision} (build-grad --precision {precision}), which "
-                         f"onnxruntime's CPU provider has no kernels for; run it on the CUDA provider "
-                         f"(--provider cuda), or build it with --precision fp32")
+        raise UsageError(f"the graph computes in {precision} (build-grad --precision {precision}), and "
+                         f"onnxruntime's CPU provider lacks {precision} kernels for some of its ops; run it on the "
+                         f"CUDA provider (--provider cuda), or build it with --precision fp32")
 
 
 def session(model: onnx.ModelProto, provider: str = "cpu", threads: int | None = None) -> ort.InferenceSession:

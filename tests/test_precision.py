@@ -1,7 +1,8 @@
 """Mixed-precision training graphs (--precision fp16/bf16, dynamic loss scaling), checked in numpy.
 
-onnxruntime's CPU provider has no float16 or bfloat16 kernels for MatMul, Gemm, Add or Conv, so the numbers are
-checked with onnx.reference.ReferenceEvaluator (float16 natively, bfloat16 through ml_dtypes)."""
+onnxruntime's CPU provider lacks half-precision kernels for some of these graphs' ops (bfloat16 MatMul, Gemm, Add;
+float16 ScatterElements with add), so the numbers are checked with onnx.reference.ReferenceEvaluator (float16
+natively, bfloat16 through ml_dtypes)."""
 from __future__ import annotations
 
 import json
