@@ -391,9 +391,9 @@ def test_every_rule_case_in_half_precision_agrees_with_float32():
     assert ran >= 890 and len(not_run) <= 26, (ran, not_run)
 
 
-def test_if_bodies_stay_float32_and_the_values_they_read_too():
-    """The branches of an If are not rewritten: they and the producers of the outer values they read run in
-    float32, and the MatMul before them still runs in half."""
+def test_values_an_if_reads_stay_float32():
+    """The producers of the outer values an If's branches read run in float32 (a branch reads them by name, with
+    their type), and the MatMul before them still runs in half; branches of float32 ops are left as they are."""
     vi = helper.make_tensor_value_info
     then = helper.make_graph([helper.make_node("Mul", ["a", "a"], ["t"])], "then", [],
                              [vi("t", TensorProto.FLOAT, [4, 3])])
@@ -525,3 +525,46 @@ def test_split_loss_scaled_step_graph_runs_as_the_step_graph():
         assert all(np.array_equal(v, run["step"][k]) for k, v in run["update"].items())
         skipped = run["step"]["loss_scale.skipped_steps.next"]
         assert skipped == (1 if scale > 1 else 0)
+
+
+def test_if_branches_are_rewritten_too():
+    """A MatMul inside an If branch runs in half (its outer inputs are cast inside the branch); the branch's
+    outputs and the outer values it reads stay float32; the gradients through both branches agree."""
+    vi = helper.make_tensor_value_info
+    then = helper.make_graph([helper.make_node("MatMul", ["a", "w2"], ["m"], name="then_mm"),
+                              helper.make_node("Tanh", ["m"], ["t"], name="then_tanh")], "then", [],
+                             [vi("t", TensorProto.FLOAT, [4, 2])])
+    other = helper.make_graph([helper.make_node("ReduceSum", ["a", "axes"], ["t"], keepdims=1, name="else_sum")],
+                              "else", [], [vi("t", TensorProto.FLOAT, [4, 1])])
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((5, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal((3, 2)).astype(np.float32), "w2"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+             numpy_helper.from_array(np.array([1], np.int64), "axes")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="mm"),
+             helper.make_node("ReduceSum", ["x"], ["sx"], keepdims=0, name="sx"),
+             helper.make_node("Greater", ["sx", "zero"], ["cond"], name="cond"),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other, name="branch"),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0, name="loss")]
+    g = helper.make_graph(nodes, "g", [vi("x", TensorProto.FLOAT, [4, 5])], [vi("loss", TensorProto.FLOAT, [])],
+                          inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    for precision in ("fp16", "bf16"):
+        train = onnxgrad.build_gradient(model, precision=precision, requires_grad=["w", "w2"],
+                                        loss_scale="none")
+        forward_if = next(n for n in train.graph.node if n.name == "branch")
+        branch = next(helper.get_attribute_value(a) for a in forward_if.attribute if a.name == "then_branch")
+        bt = {v.name: v.type.tensor_type.elem_type for v in [*branch.value_info, *branch.output]}
+        mm = next(n for n in branch.node if n.name == "then_mm")
+        assert all(bt[i] == HALF[precision] for i in mm.input) and bt["t"] == TensorProto.FLOAT
+        assert types(train)["a"] == TensorProto.FLOAT  # read by name in the branches: pinned
+        for sign in (1.0, -1.0):
+            x = {"x": sign * np.abs(rng.standard_normal((4, 5))).astype(np.float32)}
+            ref = gradients(model, "fp32", x, requires_grad=["w", "w2"])
+            got = dict(zip(["w_grad", "w2_grad"], ReferenceEvaluator(train).run(["w_grad", "w2_grad"], x)))
+            errors = gradient_errors(ref, got)
+            assert max(errors.values()) < GRAD_TOL[precision], (precision, sign, errors)
+            if sign > 0:  # the then branch ran its MatMul in half, forward and in the backward If
+                assert errors["w_grad"] > 0 and errors["w2_grad"] > 0
+            else:  # the else branch is all float32 (the MatMul before the If writes a pinned value)
+                assert errors["w_grad"] == 0 and not np.any(got["w2_grad"])

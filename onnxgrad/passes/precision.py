@@ -22,7 +22,7 @@ from ..builder import Builder, Names
 from ..contract import BACKWARD, FORWARD, GRAD_SUFFIX, LOSS_SCALE_INPUT, PRECISION_KEY
 from ..errors import UsageError
 from ..gradient import reaching_heads
-from ..ir import Graph, Node, Value
+from ..ir import Graph, Node, Value, outer_references
 from ..pipeline import Build, Pass
 from ..precision import FLOAT32_OPS, HALF_OPS, HALF_TYPES, NOT_IN_BF16
 
@@ -100,6 +100,7 @@ class _Rewrite:
                 self.versions[id(v)] = {F32: v}
         # values read by name inside a subgraph keep their type: their producers run in float32
         self.pinned = {v.name for n in graph.nodes for v in n.implicit_inputs}
+        self.pinned |= {name for n in graph.nodes for sub in n.subgraphs() for name in outer_references(sub)}
 
     def emitted(self) -> list[Node]:
         out, self._emitted = self._emitted, []
@@ -132,6 +133,8 @@ class _Rewrite:
                     if v is not None and id(v) in self.versions and formal is not None
                     and _allows(formal, i, self.half)]
         mode = self._mode(node, castable, formal)
+        if node.op_type == "If" and node.domain in ("", "ai.onnx"):
+            self._rewrite_branches(node)
         if mode == F32:
             for i, v in enumerate(node.inputs):
                 if v is not None and v.elem_type == self.half and id(v) in self.versions:
@@ -149,6 +152,19 @@ class _Rewrite:
                 v.elem_type = self.half
                 self.versions[id(v)] = {self.half: v}
         return 1
+
+    def _rewrite_branches(self, node: Node) -> None:
+        """Rewrite each branch of an If as a graph of its own, by the same lists: the outer values it reads stay
+        float32 (their producers are pinned), and so do its outputs, so the If's types do not change."""
+        from ..rules.control import _as_graph
+        for k, a in enumerate(node.attributes):
+            if a.type != onnx.AttributeProto.GRAPH:
+                continue
+            sub = _as_graph(a.g, self.graph)
+            outer = {v.name for v in sub.inputs}
+            counts = cast_to_precision(sub, self.names, self.half, [])
+            if counts["casts"]:
+                node.attributes[k] = helper.make_attribute(a.name, _as_branch(sub, a.g, outer))
 
     def _mode(self, node: Node, castable: list[int], formal) -> int | None:
         """F32, half, or None (leave the node as it is)."""
@@ -168,6 +184,17 @@ class _Rewrite:
         if any(v.elem_type == F32 and id(v) in self.data for v in ins):
             return F32
         return self.half
+
+
+def _as_branch(sub: Graph, original: onnx.GraphProto, outer: set[str]) -> onnx.GraphProto:
+    """A rewritten branch back as a subgraph: no inputs (the outer values are read by name again), its own
+    initializers, and the types of the values it now computes."""
+    typed = [v.value_info() for n in sub.nodes for v in n.outputs
+             if v.name and v.elem_type and v.name not in {o.name for o in sub.outputs}]
+    return helper.make_graph([n.to_proto() for n in sub.nodes], original.name, [],
+                             [v.value_info() for v in sub.outputs],
+                             [t for name, t in sub.initializers.items() if name not in outer],
+                             value_info=typed, sparse_initializer=list(original.sparse_initializer))
 
 
 class _Formal:
