@@ -362,10 +362,15 @@ def torch_loss_fn(name, params):
 class TorchSide:
     """The same step in PyTorch eager, its parameters and batch on `device` (the CPU, or a GPU for gpu_check)."""
 
-    def __init__(self, name, model, batch, lr, threads=None, device="cpu"):
+    def __init__(self, name, model, batch, lr, threads=None, device="cpu", amp: str | None = None):
+        """`amp` ("fp16", "bf16"): the step under torch.autocast, with a GradScaler for fp16 (as onnxgrad's
+        --precision)."""
         import torch
         if threads:
             torch.set_num_threads(threads)
+        self.device = device
+        self.amp = {"fp16": torch.float16, "bf16": torch.bfloat16}[amp] if amp else None
+        self.scaler = torch.amp.GradScaler(device) if amp == "fp16" else None
         self.params = {t.name: torch.nn.Parameter(torch.from_numpy(numpy_helper.to_array(t).copy()).to(device))
                        for t in model.graph.initializer}
         self.loss_fn = torch_loss_fn(name, self.params)
@@ -373,19 +378,31 @@ class TorchSide:
         self.opt = torch.optim.SGD(list(self.params.values()), lr=lr)
 
     def step(self):
+        import torch
         self.opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.batch)
-        loss.backward()
-        self.opt.step()
-        return float(loss.detach())  # waits for a GPU, as our step's loss does
+        if self.amp is None:
+            loss = self.loss_fn(self.batch)
+            loss.backward()
+            self.opt.step()
+            return float(loss.detach())  # waits for a GPU, as our step's loss does
+        with torch.autocast(self.device, dtype=self.amp):
+            loss = self.loss_fn(self.batch)
+        if self.scaler is None:
+            loss.backward()
+            self.opt.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        return float(loss.detach())
 
 
 # -- ours ------------------------------------------------------------------------------------------------------
 
-def step_graph(model, lr):
+def step_graph(model, lr, precision="fp32"):
     """The SGD step graph of `model` (onnxgrad.build_gradient with the optimizer appended)."""
     import onnxgrad
-    return onnxgrad.build_gradient(model, optimizer="sgd", optimizer_options={"lr": lr})
+    return onnxgrad.build_gradient(model, optimizer="sgd", optimizer_options={"lr": lr}, precision=precision)
 
 
 def our_trainer(step, threads, configure=None, profile_prefix=None):

@@ -23,8 +23,12 @@
      libraries' workspaces: process memory from nvidia-smi, after minus before), and torch's
      `max_memory_reserved` (its caching allocator's high-water mark);
    - `onnxgrad train --provider cuda` runs 20 steps of the step graph from an .npz in a child process.
-Takes 1-3 minutes on one GPU. Nothing here needs a GPU to import: tests/test_cuda_coverage.py tests the parts
-that do not.
+3. The same rows for the mixed-precision step graphs (`build-grad --precision fp16`, with dynamic loss scaling,
+   and `bf16`; `--precisions` to choose), the gradient error taken against the float32 graph on the CPU provider
+   and torch running under `torch.autocast` (with a GradScaler for fp16); then one table of each half-precision
+   row against its model's float32 row: step time and memory, ours and torch's.
+Takes 1-3 minutes on one GPU per precision. Nothing here needs a GPU to import: tests/test_cuda_coverage.py tests
+the parts that do not.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MODELS = ("mlp", "cnn", "gpt")
+PRECISIONS = ("fp32", "fp16", "bf16")
 
 # The libraries onnxruntime's CUDA provider needs, per CUDA major version of the build, with the pip packages
 # that carry them: those its library links (ldd libonnxruntime_providers_cuda.so) and cuDNN, which it opens
@@ -204,9 +209,37 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def check_model(name: str, steps: int, rounds: int, lr: float, use_torch: bool, device: str = "cuda") -> dict:
+def format_precision_table(rows: list[dict]) -> str:
+    """Each half-precision row against its model's float32 row: the step time and memory of ours and of torch
+    (autocast against eager float32)."""
+    base = {r["model"]: r for r in rows if r.get("precision", "fp32") == "fp32"}
+    lines = ["| model | precision | ours ms vs fp32 | ours MiB vs fp32 | torch ms vs fp32 | torch MiB vs fp32 |",
+             "|---|---|---:|---:|---:|---:|"]
+
+    def ratio(r, b, key):
+        if b is None or r.get(key) is None or not b.get(key):
+            return "n/a"
+        return f"{r[key] / b[key]:.2f}x"
+    for r in rows:
+        precision = r.get("precision", "fp32")
+        if precision == "fp32":
+            continue
+        name = r["model"].split()[0]
+        b = base.get(name)
+        lines.append(f"| {name} | {precision} | {ratio(r, b, 'ours_ms')} | {ratio(r, b, 'ours_mib')} | "
+                     f"{ratio(r, b, 'torch_ms')} | {ratio(r, b, 'torch_mib')} |")
+    return "\n".join(lines)
+
+
+def check_model(name: str, steps: int, rounds: int, lr: float, use_torch: bool, device: str = "cuda",
+                precision: str = "fp32") -> dict:
     """One row of the table. device="cpu" runs the same steps on the CPU provider (and torch on the CPU): a dry
-    run of this script where there is no GPU."""
+    run of this script where there is no GPU (float32 only: the CPU provider has no half-precision kernels).
+    `precision`: the step graph's --precision; its gradients are compared with the float32 graph's on the CPU."""
+    row: dict = {"model": name if precision == "fp32" else f"{name} {precision}", "precision": precision}
+    if device == "cpu" and precision != "fp32":
+        row["cli"] = "skipped: the CPU provider has no half-precision kernels"
+        return row
     import numpy as np
     import onnxruntime as ort
 
@@ -216,23 +249,23 @@ def check_model(name: str, steps: int, rounds: int, lr: float, use_torch: bool, 
     from onnxgrad.cuda import fallback_nodes
     from onnxgrad.runner import StepGraphTrainer
 
-    row: dict = {"model": name}
     model = bench_train.MODELS[name]()
     batch = bench_train.batch_for(name, np.random.default_rng(0))
-    step = bench_train.step_graph(model, lr)
+    step = bench_train.step_graph(model, lr, precision)
     table = fallback_nodes(step)
     row["table_fallbacks"] = ", ".join(sorted({f.op_type for f in table})) or "none"
 
-    # gradients: CUDA (TF32 off) against CPU
-    train = onnxgrad.build_gradient(model)
+    # gradients: CUDA (TF32 off) against CPU (the float32 graph: the CPU provider has no half kernels)
+    train = onnxgrad.build_gradient(model, precision=precision)
+    train32 = train if precision == "fp32" else onnxgrad.build_gradient(model)
     so, extra = runtime.session_options(train, None)
     first_choice = [("CUDAExecutionProvider", {"use_tf32": "0"})] if device == "cuda" else []
     cuda_sess = ort.InferenceSession(train.SerializeToString(), so,
                                      providers=[*first_choice, "CPUExecutionProvider"], **extra)
-    cpu_sess = ort.InferenceSession(train.SerializeToString(), so, providers=["CPUExecutionProvider"], **extra)
+    cpu_sess = ort.InferenceSession(train32.SerializeToString(), so, providers=["CPUExecutionProvider"], **extra)
     names = [o.name for o in train.graph.output]
     got = dict(zip(names, cuda_sess.run(None, batch)))
-    want = dict(zip(names, cpu_sess.run(None, batch)))
+    want = dict(zip([o.name for o in train32.graph.output], cpu_sess.run(None, batch)))
     row["grad_error"] = max(relative_l2(got[n], want[n]) for n in names if n.endswith("_grad"))
     del cuda_sess, cpu_sess
     gc.collect()
@@ -262,7 +295,8 @@ def check_model(name: str, steps: int, rounds: int, lr: float, use_torch: bool, 
         import torch
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        theirs = bench_train.TorchSide(name, model, batch, lr, device=device)
+        theirs = bench_train.TorchSide(name, model, batch, lr, device=device,
+                                       amp=None if precision == "fp32" else precision)
         first["torch"] = theirs.step()
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -300,6 +334,7 @@ def main(argv=None) -> int:
     ap.add_argument("--setup", metavar="VENV", help="create VENV from the package index and run there")
     ap.add_argument("--libraries-only", action="store_true")
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--precisions", default=",".join(PRECISIONS), help="step graphs to check, of fp32, fp16, bf16")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--lr", type=float, default=0.01)
@@ -351,15 +386,27 @@ def main(argv=None) -> int:
         print("# torch not installed: no torch column")
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(ROOT))
+    precisions = args.precisions.split(",")
+    unknown = sorted(set(precisions) - set(PRECISIONS))
+    if unknown:
+        print(f"gpu_check: --precisions {unknown[0]}: expected some of {', '.join(PRECISIONS)}")
+        return 2
     rows = []
     for name in args.models.split(","):
-        try:
-            rows.append(check_model(name, args.steps, args.rounds, args.lr, use_torch, "cpu" if args.cpu else "cuda"))
-        except Exception as e:  # one model's failure is a row, not the end of the check
-            rows.append({"model": name, "cli": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"})
-        print(f"# {name} done at {time.time() - started:.0f} s", flush=True)
+        for precision in precisions:
+            label = name if precision == "fp32" else f"{name} {precision}"
+            try:
+                rows.append(check_model(name, args.steps, args.rounds, args.lr, use_torch,
+                                        "cpu" if args.cpu else "cuda", precision))
+            except Exception as e:  # one model's failure is a row, not the end of the check
+                rows.append({"model": label, "precision": precision,
+                             "cli": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+            print(f"# {label} done at {time.time() - started:.0f} s", flush=True)
     print()
     print(format_table(rows))
+    if any(r["precision"] != "fp32" for r in rows):
+        print()
+        print(format_precision_table(rows))
     for r in rows:
         if r.get("cpu_shape_nodes"):
             print(f"- {r['model']}: shape arithmetic on the CPU provider (by design): {r['cpu_shape_nodes']}")

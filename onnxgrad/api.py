@@ -41,23 +41,29 @@ def build_gradient(model: str | os.PathLike | onnx.ModelProto, *, loss: str | No
                    also_grad: list[str] | None = None, input_shapes: dict[str, list[int]] | None = None,
                    dims: dict[str, int] | None = None, loss_fn: str | None = None, target: str | None = None,
                    loss_options: dict | None = None, optimizer: str | None = None,
-                   optimizer_options: dict | None = None) -> onnx.ModelProto:
+                   optimizer_options: dict | None = None, precision: str = "fp32", loss_scale: str | None = None,
+                   loss_scale_options: dict | None = None) -> onnx.ModelProto:
     """Return the training graph of `model`: its outputs, then `<param>_grad` per parameter, then
     `<value>_grad` per `also_grad` value. See `build` for the report as well.
 
     `loss_fn` ('mse', 'l1', 'cross-entropy', 'bce-with-logits') first appends a loss comparing the output
     `target` with a new target input (`loss_options`: the keywords of `losses.append_loss`). `optimizer`
     ('sgd', 'momentum', 'adam', 'adamw') turns the result into a step graph (`optimizer_options`: lr, momentum,
-    nesterov, betas, eps, weight_decay, clip_grad_norm, accumulate, keep_grads; see `optim.append_optimizer`)."""
+    nesterov, betas, eps, weight_decay, clip_grad_norm, accumulate, keep_grads; see `optim.append_optimizer`).
+    `precision` ('fp32', 'fp16', 'bf16'): compute in half precision where PyTorch's autocast would, with float32
+    parameters and optimizer state; `loss_scale` ('dynamic', 'none'; default dynamic for fp16) and
+    `loss_scale_options` (init_scale, growth_factor, backoff_factor, growth_interval): see `onnxgrad.precision`."""
     return build(model, loss=loss, requires_grad=requires_grad, frozen=frozen, also_grad=also_grad,
                  input_shapes=input_shapes, dims=dims, loss_fn=loss_fn, target=target, loss_options=loss_options,
-                 optimizer=optimizer, optimizer_options=optimizer_options).model
+                 optimizer=optimizer, optimizer_options=optimizer_options, precision=precision,
+                 loss_scale=loss_scale, loss_scale_options=loss_scale_options).model
 
 
 def build(model, *, loss=None, requires_grad=None, frozen=None, also_grad=None, input_shapes=None,
           dims=None, feed_head_grads: bool = False, loss_fn=None, target=None, loss_options=None,
           optimizer=None, optimizer_options=None, weights_apart: bool = False, mirror: str | None = None,
-          mirror_options: dict | None = None, loop_bounds: dict[str, int] | None = None) -> BuildResult:
+          mirror_options: dict | None = None, loop_bounds: dict[str, int] | None = None, precision: str = "fp32",
+          loss_scale: str | None = None, loss_scale_options: dict | None = None) -> BuildResult:
     """Like `build_gradient`, with a report. `feed_head_grads` gives scalar losses a `<loss>_grad` input
     too (instead of the constant 1), e.g. to scale the loss or to compute vector-Jacobian products.
     `weights_apart`: leave the large weights out of `model` (stubs, see weights.py) and in `weights`, for
@@ -72,7 +78,8 @@ def build(model, *, loss=None, requires_grad=None, frozen=None, also_grad=None, 
                       input_shapes=input_shapes, dims=dims, feed_head_grads=feed_head_grads, loss_fn=loss_fn,
                       target=target, loss_options=loss_options or {}, optimizer=optimizer,
                       optimizer_options=optimizer_options or {}, weights_apart=weights_apart, mirror=mirror,
-                      mirror_options=mirror_options, loop_bounds=loop_bounds)
+                      mirror_options=mirror_options, loop_bounds=loop_bounds, precision=precision,
+                      loss_scale=loss_scale, loss_scale_options=loss_scale_options)
     finally:
         if was_enabled:
             gc.enable()
@@ -80,9 +87,11 @@ def build(model, *, loss=None, requires_grad=None, frozen=None, also_grad=None, 
 
 def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims, feed_head_grads, loss_fn, target,
            loss_options, optimizer, optimizer_options, weights_apart=False, mirror=None,
-           mirror_options=None, loop_bounds=None) -> BuildResult:
+           mirror_options=None, loop_bounds=None, precision="fp32", loss_scale=None,
+           loss_scale_options=None) -> BuildResult:
     from . import pipeline, weights
     from .contract import BACKWARD, FORWARD, OPTIMIZER, RECOMPUTE
+    from .precision import precision_settings
 
     started = time.perf_counter()
     _check_training_options(loss_fn, target, loss_options, optimizer, optimizer_options)
@@ -90,7 +99,8 @@ def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims,
                                input_shapes=input_shapes or {}, dims=dims or {}, feed_head_grads=feed_head_grads,
                                loss_fn=loss_fn, target=target, loss_options=loss_options, optimizer=optimizer,
                                optimizer_options=optimizer_options, mirror=mirror,
-                               mirror_options=mirror_options or {}, loop_bounds=loop_bounds or {})
+                               mirror_options=mirror_options or {}, loop_bounds=loop_bounds or {},
+                               precision=precision_settings(precision, loss_scale, loss_scale_options))
     passes = pipeline.training_pipeline()
     # a graph with nothing to differentiate is refused before the later stages (a mirror budget) report on it
     cut = next(k for k, p in enumerate(passes) if "gradient" in p.ensures) + 1
@@ -119,7 +129,7 @@ def _build(model, *, loss, requires_grad, frozen, also_grad, input_shapes, dims,
         "backward_nodes": sum(n.phase == BACKWARD for n in graph.nodes),
         "optimizer_nodes": sum(n.phase == OPTIMIZER for n in graph.nodes),
         "rules_used": build.report["rules_used"],
-        **{k: build.report[k] for k in ("mirror", "loop_segments") if k in build.report},
+        **{k: build.report[k] for k in ("mirror", "loop_segments", "precision") if k in build.report},
         "passes": build.report["passes"],
         "seconds": round(time.perf_counter() - started, 4),
     }

@@ -22,6 +22,7 @@ from onnx import helper, numpy_helper
 from .contract import FLOAT_TYPES, GRAD_SUFFIX, LOSS_KEY
 from .errors import InvalidModelError, UsageError
 from .gradcheck import CannotRun, Runner, perturb, to_float64
+from . import runtime
 from .runner import random_feeds
 
 STEP = {"float64": 1e-6, "float32": 1e-3}  # relative to max(1, |p|)
@@ -130,6 +131,7 @@ def check_training_graph(model: onnx.ModelProto, *, loss: list[str] | None = Non
                 raise UsageError(f"--precision float64: {e}") from None
             reason = str(e)
     if train is None:
+        runtime.refuse_half_precision_on_cpu(model)
         try:
             train, fwd = Runner(model), Runner(forward_model(model, heads))
         except CannotRun as e:

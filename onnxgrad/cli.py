@@ -235,6 +235,20 @@ def _model_flags(command):
         click.option("--loop-bound", metavar="NAME=N", multiple=True,
                      help="The most iterations Loop node NAME runs, for a loop with a condition and no trip count "
                           "(its gradient stores one carry per iteration); the loop stops at N."),
+        click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
+                     help="Compute precision. fp16, bf16: MatMul, Gemm, Conv, ConvTranspose, Attention run in half "
+                          "precision, reductions, Softmax, normalisations, Exp/Log/Pow and losses in float32, other "
+                          "ops in their inputs' precision (as PyTorch's autocast); parameters and optimizer state "
+                          "stay float32."),
+        click.option("--loss-scale", type=click.Choice(["dynamic", "none"]),
+                     help="Scale the loss by the input loss_scale and unscale the gradients; with --optimizer, skip "
+                          "a step whose gradients overflow and adapt the scale (as torch's GradScaler) [default: "
+                          "dynamic with --precision fp16, else none]."),
+        click.option("--loss-scale-init", metavar="S", type=float, help="With dynamic loss scaling: the first "
+                                                                        "scale [default: 65536]."),
+        click.option("--loss-scale-interval", metavar="N", type=click.IntRange(1),
+                     help="With dynamic loss scaling: double the scale after N steps without overflow; an overflow "
+                          "halves it [default: 2000]."),
     ]
     tail = [
         click.option("--save", metavar="NODE", multiple=True,
@@ -341,7 +355,8 @@ def _check_budget(text: str) -> None:
 
 
 def _build_and_write(command, model, output, loss, requires_grad, frozen, also_grad, input_shape, dim, loop_bound,
-                     save, recompute, external_data, report, force, mirror, mirror_extra=None, **training):
+                     precision, loss_scale, loss_scale_init, loss_scale_interval, save, recompute, external_data,
+                     report, force, mirror, mirror_extra=None, **training):
     from .api import build
 
     paths = OutputPaths([model])
@@ -359,6 +374,8 @@ def _build_and_write(command, model, output, loss, requires_grad, frozen, also_g
                        loop_bounds=_loop_bounds(loop_bound), weights_apart=True, mirror=mirror,
                        mirror_options={"save": _names(save), "recompute": _names(recompute),
                                        **(mirror_extra or {})},
+                       precision=precision, loss_scale=loss_scale,
+                       loss_scale_options={"init_scale": loss_scale_init, "growth_interval": loss_scale_interval},
                        **_training_options(training))
     except BudgetError as e:
         if report_path:  # a CI step reads why: fits false, the floor, the least peak found
@@ -608,7 +625,9 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
     if result.losses:
         click.echo(f"steps {result.first_step}-{result.steps} (epoch {result.epochs:.2f}, {where}): "
                    f"loss {result.losses[0]:.6g} -> {result.losses[-1]:.6g}, "
-                   f"{result.samples_per_second:,.0f} samples/s")
+                   f"{result.samples_per_second:,.0f} samples/s"
+                   + (f", {result.skipped_steps} steps skipped on overflow (loss scale {result.loss_scale:g})"
+                      if result.skipped_steps is not None else ""))
     else:
         click.echo(f"nothing to run: the checkpoint is at step {trainer.steps_done}")
     if export_path:

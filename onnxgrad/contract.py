@@ -9,6 +9,7 @@ GRAD_SUFFIX = "_grad"        # `<x>_grad`: the gradient output of x; `<y>_grad`:
 NEXT_SUFFIX = ".next"        # `<state>.next`: the output that replaces a state input after one step
 MIRROR_SUFFIX = "_mirror"    # `<node>_mirror`: a recomputed copy of a forward node
 LR_INPUT = "lr"              # the optional learning-rate input of a step graph
+LOSS_SCALE_INPUT = "loss_scale"  # mixed precision: the factor the loss is scaled by (state of a step graph)
 
 # metadata_props keys
 LOSS_KEY = "onnxgrad.loss"                    # the heads the gradient was taken of, comma-separated
@@ -22,6 +23,7 @@ EXECUTION_ORDER_KEY = "onnxgrad.execution_order"
 DISABLED_OPTIMIZERS_KEY = "onnxgrad.disabled_optimizers"
 MEMORY_REUSE_KEY = "onnxgrad.memory_reuse"
 CHECKPOINT_KEY = "onnxgrad.checkpoint"
+PRECISION_KEY = "onnxgrad.precision"          # --precision and the loss scaler's settings, as JSON
 
 # The settings a runner applies so that the file's node order is the schedule, recomputed nodes are not merged
 # back into the ones they copy, and each buffer lives as long as its value: PRIORITY_BASED order,
@@ -35,7 +37,7 @@ RUNTIME_HINTS = {
 }
 # Metadata that only means something to a runner of the step graph; an exported forward model drops it.
 TRAINING_METADATA = (STATE_KEY, OPTIMIZER_KEY, LOSS_KEY, LOSS_FN_KEY, EXECUTION_ORDER_KEY, DISABLED_OPTIMIZERS_KEY,
-                     MEMORY_REUSE_KEY, PHASES_KEY, MIRROR_KEY, BUDGET_KEY)
+                     MEMORY_REUSE_KEY, PHASES_KEY, MIRROR_KEY, BUDGET_KEY, PRECISION_KEY)
 
 # Node phases, in the order a step runs them
 FORWARD, RECOMPUTE, BACKWARD, OPTIMIZER = "forward", "recompute", "backward", "optimizer"

@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .builder import Builder, Names
 from .errors import UsageError
-from .contract import GRAD_SUFFIX, NEXT_SUFFIX, OPTIMIZER, OPTIMIZER_KEY, STATE_KEY
+from .contract import GRAD_SUFFIX, LOSS_SCALE_INPUT, NEXT_SUFFIX, OPTIMIZER, OPTIMIZER_KEY, PRECISION_KEY, STATE_KEY
 from .ir import Graph, Value, from_model
 from .weights import should_stub, stub_of
 
@@ -97,18 +97,23 @@ def append_optimizer(train: onnx.ModelProto, kind: str, *, parameters: list[str]
     'adamw') applied to each parameter (default: every initializer with a `<p>_grad` output), with hyper
     parameters lr, momentum, nesterov, betas, eps, weight_decay, clip_grad_norm, accumulate, keep_grads.
     `weights`: for a skeleton (weights.py), the map that holds its stubs' data; large new state tensors go
-    there too, and into the step graph as stubs."""
+    there too, and into the step graph as stubs. A training graph built with dynamic loss scaling (its
+    `onnxgrad.precision` metadata) gets the loss scaler's update too."""
     settings = optimizer_settings(kind, hyper)
     graph = from_model(train)
     names = Names([*graph.values, *(n.name for n in graph.nodes)])
-    add_optimizer(graph, names, settings, parameters, weights)
+    scaler = json.loads(graph.metadata[PRECISION_KEY]).get("loss_scale") if PRECISION_KEY in graph.metadata else None
+    add_optimizer(graph, names, settings, parameters, weights, scaler)
     return graph.to_model()
 
 
 def add_optimizer(graph: Graph, names: Names, settings: dict, parameters: list[str] | None = None,
-                  weights: dict[str, onnx.TensorProto] | None = None) -> None:
+                  weights: dict[str, onnx.TensorProto] | None = None, scaler: dict | None = None) -> None:
     """Append the update of `settings` (from `optimizer_settings`) to a training graph: the pass behind
-    `append_optimizer`. New nodes are in the optimizer phase; the graph's outputs become the step graph's."""
+    `append_optimizer`. New nodes are in the optimizer phase; the graph's outputs become the step graph's.
+    `scaler` (a dynamic loss scaler's settings, `precision.precision_settings`): the graph's gradients were
+    taken of loss * loss_scale and unscaled (passes/precision.py); a step whose gradients are not all finite
+    leaves every other state value as it was, and the scale is updated as torch.cuda.amp.GradScaler does."""
     kind = settings["kind"]
     if OPTIMIZER_KEY in graph.metadata:
         raise UsageError("the model already has an optimizer (metadata onnxgrad.optimizer)")
@@ -121,7 +126,12 @@ def add_optimizer(graph: Graph, names: Names, settings: dict, parameters: list[s
     scalars = (["step"] if adam else []) + (["micro_step"] if accumulate > 1 else [])
     per_param = [f"{p.name}.{k}" for p, _ in params for k in state_kinds(settings)]
     state.update({name: name + NEXT_SUFFIX for name in per_param + scalars})
-    for name in ["lr", *scalars, *per_param, *state.values()]:
+    scaler_state = [LOSS_SCALE_INPUT, *SCALER_COUNTERS] if scaler is not None else []
+    if scaler is not None and LOSS_SCALE_INPUT not in graph.initializers:
+        raise UsageError(f"loss scaling: the training graph has no {LOSS_SCALE_INPUT!r} input "
+                         f"(build it with --precision fp16)")
+    state.update({name: name + NEXT_SUFFIX for name in scaler_state})
+    for name in ["lr", *scalars, *per_param, *scaler_state[1:], *state.values()]:
         if names.taken(name):
             raise UsageError(f"cannot add the optimizer's {name!r}: the model already has a value of that name")
         names.reserve(name)
@@ -156,6 +166,8 @@ def add_optimizer(graph: Graph, names: Names, settings: dict, parameters: list[s
             results[name] = new if apply is None else pop.Where(apply, new, old)
     if adam:
         results["step"] = hp.step_next if apply is None else op.Where(apply, hp.step_next, step)
+    if scaler is not None:
+        _skip_on_overflow(graph, op, scaler, [g for _, g in params], results)
 
     for name, next_name in state.items():
         v = results[name]
@@ -250,6 +262,40 @@ def adam(op: Builder, hp: Hyper, p: Value, g: Value, state: dict):
 
 
 UPDATES: dict[str, Callable] = {"sgd": sgd, "momentum": sgd, "adam": adam, "adamw": adam}
+
+
+# -- mixed precision: skip a step whose gradients overflowed, and update the loss scale ----------------------
+SKIPPED_STEPS = "loss_scale.skipped_steps"
+SCALER_COUNTERS = ("loss_scale.good_steps", SKIPPED_STEPS)
+
+
+def _skip_on_overflow(graph: Graph, op: Builder, scaler: dict, grads: list[Value], results: dict) -> None:
+    """finite = not isnan(0 * sum of every gradient element): one reduction decides the step (an inf or a NaN
+    anywhere makes the sum inf or NaN, and 0 * inf is NaN; a sum of finite gradients past float32's range, 3.4e38,
+    counts as an overflow too). Every state value keeps its input when not finite.
+    The scale (torch's _amp_update_scale_): backoff on overflow; growth after growth_interval finite steps in
+    a row, unless the grown scale is infinite."""
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    sums = []
+    for g in grads:
+        s = op.ReduceSum(g, keepdims=0)  # no axes: over every element, at every opset
+        sums.append(s if g.elem_type == f32 else op.Cast(s, to=f32))
+    total = sums[0] if len(sums) == 1 else op.Sum(*sums)
+    finite = op.Not(op.IsNaN(op.Mul(total, op.const(0.0, f32))))
+    for name in list(results):
+        results[name] = op.Where(finite, results[name], graph.values[name])
+    scale = graph.values[LOSS_SCALE_INPUT]
+    good, skipped = (_add_state(graph, name, np.array(0, np.int64)) for name in SCALER_COUNTERS)
+    counted = op.Add(good, op.const(1, i64))
+    grow = op.Equal(counted, op.const(scaler["growth_interval"], i64))  # >= after a resume with a new interval
+    grow = op.Or(grow, op.Greater(counted, op.const(scaler["growth_interval"], i64)))
+    grown = op.Mul(scale, op.const(scaler["growth_factor"], f32))
+    grown = op.Where(op.IsInf(grown), scale, grown)
+    kept = op.Where(grow, grown, scale)
+    results[LOSS_SCALE_INPUT] = op.Where(finite, kept, op.Mul(scale, op.const(scaler["backoff_factor"], f32)))
+    zero = op.const(0, i64)
+    results[SCALER_COUNTERS[0]] = op.Where(finite, op.Where(grow, zero, counted), zero)
+    results[SCALER_COUNTERS[1]] = op.Add(skipped, op.Cast(op.Not(finite), to=i64))
 
 
 # -- what comes before the update: accumulation and clipping ------------------------------------------------

@@ -1,6 +1,7 @@
 """The build as one list of passes over one typed `Graph`.
 
-    read -> infer -> [loss] -> lower -> gradient -> [mirror] -> schedule -> [optimizer] -> validate
+    read -> infer -> [loss] -> lower -> [precision] -> gradient -> [loss_scale] -> [mirror] -> schedule
+         -> [optimizer] -> validate
 
 `read` and `infer` are the only stages that see protobuf (onnx's checker, version converter and shape inference
 work on protos); from `infer` on, every pass edits the same `ir.Graph`, and `validate` writes it back once.
@@ -39,6 +40,8 @@ class Options:
     optimizer_options: dict = field(default_factory=dict)
     mirror: str | None = None                    # a recomputation policy ("mxnet") or None
     mirror_options: dict = field(default_factory=dict)
+    # precision.precision_settings: the compute precision and the loss scaler (None: no loss scaling)
+    precision: dict = field(default_factory=lambda: {"precision": "fp32", "loss_scale": None})
 
 
 @dataclass
@@ -107,16 +110,19 @@ def training_pipeline() -> list[Pass]:
     """The build of a training graph (or a step graph), in order. A training graph that build-grad wrote is
     taken up where it was left (`frontend.Adopt`): the loss, lowering and gradient stages then have nothing
     to do, and the later stages (mirror) run on it."""
-    from .passes import frontend, gradient, loss, mirror, optimizer, schedule, validate
+    from .passes import frontend, gradient, loss, mirror, optimizer, precision, schedule, validate
     return [
         frontend.Read(),
         frontend.Infer(),
         frontend.Adopt(),
         loss.Heads(),
         frontend.Lower(),
+        precision.Precision(),
         gradient.Gradient(),
+        precision.LossScale(),
         mirror.Mirror(),
         schedule.Schedule(),
         optimizer.AppendOptimizer(),
+        precision.WidenBfloat16(),
         validate.Validate(),
     ]

@@ -32,7 +32,9 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from . import runtime
-from .contract import CHECKPOINT_KEY, GRAD_SUFFIX, LOSS_FN_KEY, LOSS_KEY, LR_INPUT, STATE_KEY, TRAINING_METADATA
+from .contract import (CHECKPOINT_KEY, GRAD_SUFFIX, LOSS_FN_KEY, LOSS_KEY, LOSS_SCALE_INPUT, LR_INPUT, STATE_KEY,
+                       TRAINING_METADATA)
+from .optim import SKIPPED_STEPS
 from .errors import InvalidModelError, NonFiniteError, UsageError
 from .io import atomic_write_bytes, save_model
 from .loader import read_model
@@ -97,7 +99,9 @@ def run_training_graph(model: onnx.ModelProto, steps: int = 1, lr: float = 0.1, 
     if not params:
         raise UsageError("the model has no <param>_grad outputs: is it a graph written by onnxgrad build-grad?")
     inferred = onnx.shape_inference.infer_shapes(model)
-    feeds = random_feeds(inferred, dims or {}, seed, skip=set(params))
+    # a loss scale (build-grad --loss-scale) keeps its stored value, as the parameters do
+    stored = {t.name for t in model.graph.initializer}
+    feeds = random_feeds(inferred, dims or {}, seed, skip=set(params) | ({LOSS_SCALE_INPUT} & stored))
     if data:
         arrays = read_npz(data, "--data")
         unknown = sorted(set(arrays) - set(feeds))
@@ -268,6 +272,10 @@ class TrainResult:
     step_seconds: list[float] = field(default_factory=list)
     batch: int = 0
     epochs: float = 0.0                   # epochs completed at the end, fractional
+    # with a dynamic loss scaler (build-grad --precision fp16): steps skipped on overflow since the start of
+    # training (a checkpoint keeps the count), and the scale at the end
+    skipped_steps: int | None = None
+    loss_scale: float | None = None
 
     @property
     def steps(self) -> int:
@@ -282,7 +290,9 @@ class TrainResult:
         return {"first_step": self.first_step, "steps": self.steps, "batch": self.batch,
                 "epochs": round(self.epochs, 6), "losses": self.losses,
                 "step_seconds": [round(s, 6) for s in self.step_seconds],
-                "samples_per_second": round(self.samples_per_second, 3)}
+                "samples_per_second": round(self.samples_per_second, 3),
+                **({"skipped_steps": self.skipped_steps, "loss_scale": self.loss_scale}
+                   if self.skipped_steps is not None else {})}
 
 
 class StepGraphTrainer:
@@ -462,6 +472,10 @@ class StepGraphTrainer:
         if checkpoint is not None:
             save()
         result.epochs = self.steps_done / len(batches)
+        if SKIPPED_STEPS in self.graph.state:
+            state = self.state
+            result.skipped_steps = int(state[SKIPPED_STEPS].numpy())
+            result.loss_scale = float(state[LOSS_SCALE_INPUT].numpy())
         return result
 
     def batches(self, data: str | os.PathLike | dict[str, np.ndarray], batch: int | None = None, seed: int = 0,

@@ -1,10 +1,12 @@
 """Running training graphs in onnxruntime with the settings their metadata asks for."""
 from __future__ import annotations
 
+import json
+
 import onnx
 import onnxruntime as ort
 
-from .contract import BUDGET_KEY, DISABLED_OPTIMIZERS_KEY, EXECUTION_ORDER_KEY, MEMORY_REUSE_KEY
+from .contract import BUDGET_KEY, DISABLED_OPTIMIZERS_KEY, EXECUTION_ORDER_KEY, MEMORY_REUSE_KEY, PRECISION_KEY
 from .errors import UsageError
 
 # glibc's malloc serves blocks above its mmap threshold with their own mapping and unmaps them on free, so the
@@ -123,7 +125,21 @@ def model_bytes(model: onnx.ModelProto) -> bytes:
         model.ir_version = own
 
 
+def refuse_half_precision_on_cpu(model: onnx.ModelProto) -> None:
+    """A graph build-grad wrote with --precision fp16 or bf16 needs the CUDA provider: the CPU provider lacks
+    half-precision kernels for some of the ops it holds (in onnxruntime 1.31: bfloat16 MatMul, Gemm, Add and Mul,
+    float16 ScatterElements with add), and what it has is no guide to the CUDA numbers or speed."""
+    settings = next((p.value for p in model.metadata_props if p.key == PRECISION_KEY), None)
+    precision = json.loads(settings).get("precision") if settings else None
+    if precision in ("fp16", "bf16"):
+        raise UsageError(f"the graph computes in {precision} (build-grad --precision {precision}), and "
+                         f"onnxruntime's CPU provider lacks {precision} kernels for some of its ops; run it on the "
+                         f"CUDA provider (--provider cuda), or build it with --precision fp32")
+
+
 def session(model: onnx.ModelProto, provider: str = "cpu", threads: int | None = None) -> ort.InferenceSession:
+    if "CUDAExecutionProvider" not in providers(provider):
+        refuse_half_precision_on_cpu(model)
     so, extra = session_options(model, threads)
     return ort.InferenceSession(model_bytes(model), so, providers=provider_options(model, providers(provider)),
                                 **extra)
@@ -153,6 +169,8 @@ def training_session(model: onnx.ModelProto, provider: str = "auto", threads: in
     if provider == "cuda" and not on_cuda:
         raise UsageError(f"--provider cuda: onnxruntime could not start its CUDA provider "
                          f"({_cuda_failure()}); use --provider cpu")
+    if not on_cuda:
+        refuse_half_precision_on_cpu(model)
     return sess, "cuda" if on_cuda else "cpu"
 
 

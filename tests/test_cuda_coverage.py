@@ -50,6 +50,30 @@ def test_shipped_models_training_and_step_graphs(name, optimizer):
     assert total - ran == sum(f.op_type in FORWARD_FALLBACKS[name] for f in fallback_nodes(train))
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("case", ALL_CASES, ids=str)
+def test_backward_nodes_of_every_rule_case_run_on_cuda_in_half_precision(case, precision):
+    """build-grad --precision: the casts, the half-precision forward and its backward (fed head gradients, so no
+    loss scale)."""
+    fwd, wrt = _model(case, np.float32)
+    train = onnxgrad.build(fwd, loss=float_outputs(fwd), requires_grad=wrt, feed_head_grads=True,
+                           precision=precision, loss_scale="none").model
+    assert not added_fallbacks(fwd, train)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", sorted(FORWARD_FALLBACKS))
+@pytest.mark.parametrize("optimizer", [None, "sgd", "adamw"])
+def test_shipped_models_half_precision_graphs(name, optimizer, precision):
+    """The training and step graphs of --precision fp16 (with dynamic loss scaling) and bf16."""
+    fwd = onnx.load(str(MODELS_DIR / f"{name}.onnx"))
+    train = onnxgrad.build_gradient(fwd, optimizer=optimizer, precision=precision)
+    assert any(vi.type.tensor_type.elem_type in (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+               for vi in train.graph.value_info)
+    assert not added_fallbacks(fwd, train)
+    assert {f.op_type for f in fallback_nodes(train)} == FORWARD_FALLBACKS[name]
+
+
 @pytest.mark.xfail(strict=True, reason="the appended cross-entropy loss is a SoftmaxCrossEntropyLoss node "
                                        "(onnxgrad/losses.py), which the CUDA provider has no kernel for")
 def test_appended_cross_entropy_runs_on_cuda():
@@ -85,6 +109,16 @@ def test_real_export_models_backward_runs_on_cuda(real_exports):
         lines = added_fallbacks(fwd, onnxgrad.build_gradient(fwd))
         if lines:
             problems[name] = lines
+    assert not problems
+
+
+def test_real_export_models_half_precision_backward_runs_on_cuda(real_exports):
+    problems = {}
+    for name, fwd in real_exports.items():
+        for precision in ("fp16", "bf16"):
+            lines = added_fallbacks(fwd, onnxgrad.build_gradient(fwd, precision=precision))
+            if lines:
+                problems[f"{name} {precision}"] = lines
     assert not problems
 
 
@@ -193,3 +227,16 @@ def test_scan_and_loop_training_graphs_run_on_cuda(name):
     assert not fallback_nodes(train)
     ran, total = cuda_coverage(train)
     assert ran == total and total > 2 * len(fwd.graph.node)
+
+
+def test_gpu_check_sets_half_precision_rows_against_float32(gpu_check):
+    rows = [{"model": "mlp", "precision": "fp32", "ours_ms": 2.0, "ours_mib": 100.0, "torch_ms": 4.0,
+             "torch_mib": 50.0},
+            {"model": "mlp fp16", "precision": "fp16", "ours_ms": 1.0, "ours_mib": 60.0, "torch_ms": 2.0,
+             "torch_mib": None},
+            {"model": "cnn bf16", "precision": "bf16", "cli": "failed: X"}]
+    lines = gpu_check.format_precision_table(rows).splitlines()
+    assert lines[2] == "| mlp | fp16 | 0.50x | 0.60x | 0.50x | n/a |"
+    assert lines[3] == "| cnn | bf16 | n/a | n/a | n/a | n/a |"
+    skipped = gpu_check.check_model("mlp", 1, 1, 0.01, False, device="cpu", precision="fp16")
+    assert skipped["model"] == "mlp fp16" and skipped["cli"].startswith("skipped: the CPU provider")

@@ -155,6 +155,8 @@ def prepare(heading: str, folder: Path) -> None:
         save(onnxgrad.build_gradient(silu_tail(), dims={"batch": 64}), "train.onnx")
         save(onnxgrad.build(silu_tail(), dims={"batch": 64}, mirror="mxnet").model, "mirrored.onnx")
         save(onnxgrad.build_gradient(silu_tail(), optimizer="sgd"), "step.onnx")
+    elif heading.startswith("Mixed precision"):
+        save(cnn_classifier(), "model.onnx")
     elif heading.startswith("Losses and optimizers"):
         save(two_heads(), "net.onnx")
     elif heading.startswith("Data-parallel training"):

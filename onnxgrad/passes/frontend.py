@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from .. import loader, registry
-from ..contract import FORWARD, GRAD_SUFFIX, LOSS_KEY, OPTIMIZER_KEY, PHASES_KEY
+from ..contract import FORWARD, GRAD_SUFFIX, LOSS_KEY, LOSS_SCALE_INPUT, OPTIMIZER_KEY, PHASES_KEY, PRECISION_KEY
 from ..errors import UsageError
 from ..fold import fold_to_fixed_point
 from ..ir import from_model
@@ -92,6 +92,8 @@ class Adopt(Pass):
         # the seeds: a fed `<loss>_grad` input, or the constant 1 the gradient pass wrote as "seed/..."
         build.seeds = [v for v in graph.inputs if v.name in {h + GRAD_SUFFIX for h in heads}]
         build.seeds += [o for n in graph.nodes if n.phase != FORWARD and n.name.startswith("seed/") for o in n.outputs]
+        if LOSS_SCALE_INPUT in graph.values and PRECISION_KEY in graph.metadata:  # the seed of a scaled loss
+            build.seeds.append(graph.values[LOSS_SCALE_INPUT])
         names = [v.name[:-len(GRAD_SUFFIX)] for v in graph.outputs if v.name.endswith(GRAD_SUFFIX)]
         if OPTIMIZER_KEY in graph.metadata:  # a step graph: its gradients are not outputs
             names = json.loads(graph.metadata[OPTIMIZER_KEY]).get("parameters", [])
