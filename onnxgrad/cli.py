@@ -308,10 +308,12 @@ def build_grad(mirror, **flags):
 @click.option("--time-limit", type=click.FloatRange(min=1),
               help="With --solver exact or milp: seconds the solver may take (the best schedule found then is "
                    "used, with its gap in the report) [default: 60].")
-@click.option("--cost", "cost", type=click.Choice(["model", "profile"]),
+@click.option("--cost", "cost", type=click.Choice(["model", "prices", "profile"]),
               help="With --budget or --sweep: the price of a recomputation. model: FLOPs of the heavy ops from the "
-                   "shapes plus 20 x the bytes each op moves; profile: each node's time in onnxruntime on this "
-                   "machine (runs the graph a few times first, on seeded random data) [default: model].")
+                   "shapes plus 20 x the bytes each op moves; prices: microseconds per FLOP and per byte for each "
+                   "kernel class, fitted to onnxruntime's CPU profile of real training graphs; profile: each node's "
+                   "time in onnxruntime on this machine (runs the graph a few times first, on seeded random data) "
+                   "[default: model].")
 @click.option("--sweep", metavar="OUT.png", type=click.Path(path_type=str),
               help="Also chart peak memory against extra compute over the budgets the fast solver reaches, with "
                    "MXNet's plan, checkpoints every sqrt(n) layers, store-all, the chosen plan, the budget and the "

@@ -140,7 +140,7 @@ def test_profiled_costs_price_the_nodes_and_the_budget_still_holds(tail_model, l
     result = budgeted(tail_model, str(budget), options={"cost": "profile"})
     m = result.report["mirror"]
     assert simulate(load(result.model)).peak <= budget and m["extra_cost"] >= 0
-    with pytest.raises(UsageError, match="--cost guess: expected model or profile"):
+    with pytest.raises(UsageError, match="--cost guess: expected model, prices or profile"):
         budgeted(tail_model, str(budget), options={"cost": "guess"})
 
 

@@ -160,3 +160,44 @@ def test_profile_prices_a_cross_entropy_loss_that_onnxruntime_expands():
                               opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     result = onnxgrad.build(model, mirror="budget", mirror_options={"budget": "auto", "cost": "profile"})
     assert result.report["mirror"]["fits"] and result.report["mirror"]["cost_units"].startswith("microseconds")
+
+
+def test_prices_charge_each_kernel_class_its_own_rates():
+    from onnxgrad.memory.cost import CPU_PRICES, Prices, kernel_class
+    prices = Prices(per_flop={"matmul": 1e-3}, per_byte={"matmul": 0.0, "view": 0.0, "elementwise": 2e-3},
+                    per_node=5.0)
+    model = CostModel(prices=prices)
+    mm = node("MatMul", [(8, 16), (16, 4)], [(8, 4)])
+    relu = node("Relu", [(8, 4)], [(8, 4)])
+    reshape = node("Reshape", [(8, 4), (2,)], [(32,)])
+    softmax = node("Softmax", [(8, 4)], [(8, 4)])
+    assert [kernel_class(n) for n in (mm, relu, reshape, softmax)] == ["matmul", "elementwise", "view", "norm"]
+    assert model.cost(mm) == pytest.approx(1e-3 * 2 * 8 * 4 * 16 + 5.0)
+    assert model.cost(relu) == pytest.approx(2e-3 * 2 * 32 * 4 + 5.0)
+    assert model.cost(reshape) == pytest.approx(5.0)
+    # a class the prices leave out is priced as element-wise
+    assert model.cost(softmax) == pytest.approx(model.cost(relu))
+    # the shipped CPU prices make a large MatMul dearer than a Relu over its output
+    shipped = CostModel(prices=CPU_PRICES)
+    big = node("MatMul", [(256, 256), (256, 256)], [(256, 256)])
+    assert shipped.cost(big) > 10 * shipped.cost(node("Relu", [(256, 256)], [(256, 256)]))
+
+
+def test_mirror_budget_with_the_fitted_prices():
+    import onnxgrad
+    from onnx import TensorProto as T
+    x = helper.make_tensor_value_info("x", T.FLOAT, [64, 256])
+    rng = np.random.default_rng(0)
+    inits = [helper.make_tensor(f"w{i}", T.FLOAT, [256, 256], rng.standard_normal(256 * 256) * 0.05) for i in range(4)]
+    nodes, h = [], "x"
+    for i in range(4):
+        nodes += [helper.make_node("MatMul", [h, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Tanh", [f"m{i}"], [f"t{i}"], name=f"tanh{i}")]
+        h = f"t{i}"
+    nodes.append(helper.make_node("ReduceSum", [h], ["loss"], name="sum", keepdims=0))
+    loss = helper.make_tensor_value_info("loss", T.FLOAT, [])
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [loss], inits),
+                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    result = onnxgrad.build(model, mirror="budget", mirror_options={"budget": "auto", "cost": "prices"})
+    report = result.report["mirror"]
+    assert report["fits"] and report["cost_units"].startswith("microseconds (per-kernel-class")

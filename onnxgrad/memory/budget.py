@@ -31,14 +31,14 @@ from .simulate import format_bytes as _mib
 from .simulate import peak_of_plan, scratch_bytes
 
 SOLVERS = ("fast", "dp", "exact", "milp")
-COSTS = ("model", "profile")
+COSTS = ("model", "prices", "profile")
 
 
 @dataclass(frozen=True)
 class MirrorOptions:
     """What the mirror pass is asked, parsed once. `budget`: bytes, a fraction of the unmirrored peak ("0.4x"),
     "auto", or None (MXNet's policy); `solver`: fast (default), dp, exact (CP-SAT from the fast plan) or milp
-    (HiGHS); `cost`: model or profile; `time_limit`: seconds for the exact solvers; `work`: the fast solver's
+    (HiGHS); `cost`: model, prices or profile; `time_limit`: seconds for the exact solvers; `work`: the fast solver's
     effort, in schedule steps (a count, so the plan is the same on every machine)."""
 
     budget: str | None = None
@@ -55,7 +55,7 @@ class MirrorOptions:
         if self.solver not in SOLVERS:
             raise UsageError(f"--solver {self.solver}: expected one of {', '.join(SOLVERS)}")
         if self.cost not in COSTS:
-            raise UsageError(f"--cost {self.cost}: expected model or profile")
+            raise UsageError(f"--cost {self.cost}: expected model, prices or profile")
 
     @classmethod
     def from_dict(cls, options: dict) -> MirrorOptions:
@@ -241,7 +241,9 @@ class BudgetResult:
     report: BudgetReport
 
 
-COST_UNITS = {"model": "FLOP-equivalents (FLOPs + 20 x bytes moved)", "profile": "microseconds (onnxruntime)"}
+COST_UNITS = {"model": "FLOP-equivalents (FLOPs + 20 x bytes moved)",
+              "prices": "microseconds (per-kernel-class prices fitted to onnxruntime's CPU profile)",
+              "profile": "microseconds (onnxruntime)"}
 
 
 def recompute_costs(graph: Graph, options: MirrorOptions, dims: dict[str, int]):
@@ -249,6 +251,9 @@ def recompute_costs(graph: Graph, options: MirrorOptions, dims: dict[str, int]):
     profile, the median of several runs)."""
     if options.cost == "model":
         return CostModel(symbols=dict(dims))
+    if options.cost == "prices":
+        from .cost import CPU_PRICES
+        return CostModel(symbols=dict(dims), prices=CPU_PRICES)
     from .. import weights
     from .cost import ProfiledCosts, profile_costs
     proto = graph.to_model(weights_apart=True)
