@@ -470,5 +470,16 @@ def constant_value(attributes: Iterable[onnx.AttributeProto]) -> np.ndarray | No
     return None
 
 
+def known_value(graph: Graph, v: Value | None) -> np.ndarray | None:
+    """The value of `v` when the graph fixes it (an initializer or a Constant node's output); None otherwise."""
+    if v is None:
+        return None
+    if v.name in graph.initializers:
+        return numpy_helper.to_array(graph.initializers[v.name])
+    if v.producer is not None and v.producer.op_type == "Constant":
+        return constant_value(v.producer.attributes)
+    return None
+
+
 def tensor_value(t: onnx.TensorProto) -> np.ndarray:
     return numpy_helper.to_array(t)

@@ -20,7 +20,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .builder import Names
-from .ir import Graph, Node, Value, attach_implicit_inputs, constant_value
+from .ir import Graph, Node, Value, attach_implicit_inputs, constant_value, known_value
 
 
 def plan(graph: Graph, on_path: set[int]) -> dict[str, int]:
@@ -54,11 +54,11 @@ def _segment_length(trips: int) -> int | None:
 
 def runs_to_trip_count(graph: Graph, node: Node) -> int | None:
     """The trip count of a Loop that always runs all of it (a constant, no condition that can end it early)."""
-    trips = _constant(graph, node.inputs[0])
+    trips = known_value(graph, node.inputs[0])
     if trips is None or int(trips.reshape(-1)[0]) >= 2**62:
         return None
     if node.inputs[1] is not None:
-        cond = _constant(graph, node.inputs[1])
+        cond = known_value(graph, node.inputs[1])
         if cond is None or not bool(cond.reshape(-1)[0]):
             return None
     body = node.attr("body")
@@ -70,20 +70,10 @@ def runs_to_trip_count(graph: Graph, node: Node) -> int | None:
         if out in producers:
             value = constant_value(producers[out].attribute) if producers[out].op_type == "Constant" else None
         else:
-            value = _constant(graph, graph.values.get(out))
+            value = known_value(graph, graph.values.get(out))
         if value is None or not bool(value.reshape(-1)[0]):
             return None
     return int(trips.reshape(-1)[0])
-
-
-def _constant(graph: Graph, v: Value | None):
-    if v is None:
-        return None
-    if v.name in graph.initializers:
-        return numpy_helper.to_array(graph.initializers[v.name])
-    if v.producer is not None and v.producer.op_type == "Constant":
-        return constant_value(v.producer.attributes)
-    return None
 
 
 def segment(graph: Graph, node: Node, k: int, names: Names) -> None:

@@ -22,8 +22,8 @@ from .. import unroll
 from ..builder import Builder
 from ..errors import UnsupportedError
 from ..gradient import differentiate, reaching_heads
-from ..ir import (Graph, Node, Value, attach_implicit_inputs, constant_value, from_model, names_defined_in,
-                  outer_references)
+from ..ir import (Graph, Node, Value, attach_implicit_inputs, constant_value, from_model, known_value,
+                  names_defined_in, outer_references)
 from ..registry import rule
 from ..shapes import type_everything
 from .control import _draws_random, _needed_nodes, _renamed
@@ -335,11 +335,7 @@ def _small_int_constant(outer: Graph, v: Value | None):
         return None
     if len(v.static_shape) > 1 or (v.static_shape and v.static_shape[0] > 64):
         return None
-    if v.name in outer.initializers:
-        return numpy_helper.to_array(outer.initializers[v.name])
-    if v.producer is not None and v.producer.op_type == "Constant":
-        return constant_value(v.producer.attributes)
-    return None
+    return known_value(outer, v)
 
 
 def _carry_seed(op: Builder, v: Value) -> Value | None:
