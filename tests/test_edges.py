@@ -1,4 +1,4 @@
-"""The edges of the command line (issue 18): outputs that would destroy an input, IR 14 models, data files and
+"""The edges of the command line: outputs that would destroy an input, IR 14 models, data files and
 checkpoints that cannot be read, checks that must come before the work, flags that must not be ignored, the
 conventional invocations, start-up, and what the sweep and memory commands print."""
 from __future__ import annotations
