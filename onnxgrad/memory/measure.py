@@ -74,9 +74,9 @@ print(json.dumps({"peak_bytes": peak, "seconds": times, "cpu_seconds": cpu}))
 
 def measure(model_path: str | os.PathLike, *, level: str = "BASIC", threads: int = 1, runs: int = 1,
             dims: dict[str, int] | None = None, allocator: str = "exact") -> dict:
-    """{"peak_bytes": ..., "seconds": [...], "cpu_seconds": [...]} of `runs` runs of the graph at ORT_ENABLE_<level>, in a fresh
-    process allocating as `allocator` says (ALLOCATORS); graph inputs without initializers get seeded random
-    data (`dims` binds symbolic sizes)."""
+    """{"peak_bytes": ..., "seconds": [...], "cpu_seconds": [...]} (wall and process CPU time) of `runs` runs
+    of the graph at ORT_ENABLE_<level>, in a fresh process allocating as `allocator` says (ALLOCATORS); graph
+    inputs without initializers get seeded random data (`dims` binds symbolic sizes)."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator {allocator!r}: expected one of {', '.join(ALLOCATORS)}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
