@@ -37,12 +37,13 @@ COPY = re.compile(r"_mirror(_\d+)?$")
 
 def features(graph, model):
     """Per node: its kernel class, FLOPs and bytes moved (nodes whose shapes are unknown are left out)."""
+    from onnxgrad.errors import UsageError
     from onnxgrad.memory.cost import kernel_class
     rows = {}
     for n in graph.nodes:
         try:
             rows[n.name] = (kernel_class(n), model.flops(n), model.bytes_moved(n))
-        except Exception:
+        except UsageError:
             continue
     return rows
 
@@ -97,6 +98,7 @@ def main() -> None:
         per_flop, per_byte, per_node = fit(samples, classes)
         prices = Prices(per_flop, per_byte, per_node)
         fitted = CostModel(prices=prices)
+        nodes = {p: {n.name: n for n in graphs[p].nodes} for p in plains}
         print(f"calibration over {len(samples)} nodes of {len(plains)} graphs "
               f"({', '.join(p.stem for p in plains)}), {args.threads} thread(s), median of {args.runs} runs")
         print("| class | nodes | measured ms | fitted ms | fitted / measured | us per GFLOP | us per MB |")
@@ -106,8 +108,7 @@ def main() -> None:
             if not mine:
                 continue
             measured = sum(profiles[p][name] for p, name in mine) / 1e3
-            model_ms = sum(fitted.prices.of(c)[0] * rows[p][name][1] + fitted.prices.of(c)[1] * rows[p][name][2]
-                           + per_node for p, name in mine) / 1e3
+            model_ms = sum(fitted.cost(nodes[p][name]) for p, name in mine) / 1e3
             print(f"| {c} | {len(mine)} | {measured:.1f} | {model_ms:.1f} | {model_ms / measured:.2f} | "
                   f"{per_flop[c] * 1e9:.1f} | {per_byte[c] * 1e6:.1f} |")
         print(f"per node run: {per_node:.2f} us")
