@@ -23,7 +23,7 @@ from .contract import FLOAT_TYPES, GRAD_SUFFIX, LOSS_KEY
 from .errors import InvalidModelError, UsageError
 from .gradcheck import CannotRun, Runner, perturb, to_float64
 from . import runtime
-from .runner import random_feeds
+from .protos import cut_model, needed_subgraph, random_feeds
 
 STEP = {"float64": 1e-6, "float32": 1e-3}  # relative to max(1, |p|)
 DEFAULT_DIM = 2                            # size of a symbolic dim in the random data, unless --dim says
@@ -106,7 +106,11 @@ def check_training_graph(model: onnx.ModelProto, *, loss: list[str] | None = Non
     precision: "auto" (float64 where onnxruntime can run it, else the model's own types), "float64", "float32".
     float64_fallback: model -> a function (output names or None, feeds) -> outputs, like InferenceSession.run,
     for float64 graphs that onnxruntime cannot run (the tests pass the onnx reference evaluator's); None: fall
-    back to the model's own types."""
+    back to the model's own types.
+
+    The steps: find the loss and the parameters; make the runners, in float64 where possible; draw the point
+    checked (data, parameter values, loss seeds); run the backward pass there, twice, to refuse a graph that is
+    not deterministic; then compare each parameter's sampled gradient elements with finite differences."""
     if precision not in ("auto", "float64", "float32"):
         raise UsageError(f"--precision {precision}: expected auto, float64 or float32")
     if samples < 0:
@@ -114,34 +118,66 @@ def check_training_graph(model: onnx.ModelProto, *, loss: list[str] | None = Non
     heads = _loss_names(model, loss)
     params, unchecked = _parameters(model)
     model = _with_param_inputs(model, params)
+    train, fwd, dtype, reason = _runners(model, heads, precision, float64_fallback)
+    rng = np.random.default_rng(seed)
+    base, cs, prec = _point(model, params, heads, fwd, dims or {}, seed, dtype, rng)
+    step, limit = STEP.get(prec, 5e-2), tol if prec == "float64" else tol32
 
+    def objective(y: dict) -> float:
+        return float(sum(np.sum(np.asarray(cs[h], np.float64) * np.asarray(y[h], np.float64)) for h in heads))
+
+    grads = _deterministic_run(train, base)
+    l0 = objective(grads)
+    magnitude = float(sum(np.sum(np.abs(np.asarray(cs[h], np.float64) * np.asarray(grads[h], np.float64)))
+                          for h in heads))
+    eps_machine = float(np.finfo(prec).eps) if prec in ("float64", "float32", "float16") else 2.0 ** -7
+    # the error is the disagreement beyond what rounding alone puts into a difference of two losses (measured:
+    # under half of eps * |loss| / step for the central one)
+    rounding = 2 * eps_machine * max(magnitude, abs(l0))
+
+    def loss_at(p: str, value: np.ndarray) -> float:
+        return objective(train({**base, p: value}, heads))
+
+    result = CheckResult(heads, prec, reason, step, limit, seed, samples, unchecked=unchecked, loss_value=l0,
+                         engine=train.engine)
+    for p in params:
+        result.params.append(_check_parameter(p, base[p], np.asarray(grads[p + GRAD_SUFFIX]), loss_at, l0, step,
+                                              limit, rounding, samples, rng))
+    return result
+
+
+# -- the steps of the check --------------------------------------------------------------------------------------
+def _runners(model: onnx.ModelProto, heads: list[str], precision: str, float64_fallback) -> tuple:
+    """The training graph's runner and the forward graph's, the dtype they run in (None: the model's own types),
+    and why not float64 when they do not run in it."""
     # the finite differences run the training graph itself (asking for the loss only), not a forward graph
     # cut from it: onnxruntime removes a training-mode Dropout whose mask nothing reads, so a cut graph could
     # compute another function; the cut graph only tells the loss's shape, for the seeds
     reason = None
-    train = fwd = None
     if precision != "float32":
         try:
             model64 = to_float64(model)
             train = Runner(model64, float64_fallback)
             fwd = Runner(forward_model(model64, heads), float64_fallback)
-            dtype = np.float64
+            return train, fwd, np.float64, None
         except CannotRun as e:
             if precision == "float64":
                 raise UsageError(f"--precision float64: {e}") from None
             reason = str(e)
-    if train is None:
-        runtime.refuse_half_precision_on_cpu(model)
-        try:
-            train, fwd = Runner(model), Runner(forward_model(model, heads))
-        except CannotRun as e:
-            raise InvalidModelError(f"onnxruntime cannot run the training graph: {e}") from None
-        dtype = None  # the model's own types
-    rng = np.random.default_rng(seed)
-    feeds, sizes = _data_feeds(model, params, heads, dims or {}, seed, dtype)
+    runtime.refuse_half_precision_on_cpu(model)
+    try:
+        train, fwd = Runner(model), Runner(forward_model(model, heads))
+    except CannotRun as e:
+        raise InvalidModelError(f"onnxruntime cannot run the training graph: {e}") from None
+    return train, fwd, None, reason
+
+
+def _point(model, params, heads, fwd, dims, seed, dtype, rng) -> tuple[dict, dict, str]:
+    """The feeds of the point checked (data, parameter values, the seeds `<loss>_grad`), the factor c of each
+    loss in the scalar checked, and the precision the check runs in."""
+    feeds, sizes = _data_feeds(model, params, heads, dims, seed, dtype)
     values = {p: _param_value(model, p, rng, dtype, sizes) for p in params}
     prec = "float64" if dtype is np.float64 else np.dtype(values[params[0]].dtype).name
-    step, limit = STEP.get(prec, 5e-2), tol if prec == "float64" else tol32
     shapes = {h: np.shape(y) for h, y in fwd({**feeds, **values}).items()}
     seeds = {}
     for h in heads:
@@ -149,62 +185,55 @@ def check_training_graph(model: onnx.ModelProto, *, loss: list[str] | None = Non
             seed_type = dtype or _input_dtype(model, h + GRAD_SUFFIX)
             seeds[h + GRAD_SUFFIX] = rng.standard_normal(shapes[h]).astype(seed_type)
     cs = {h: seeds.get(h + GRAD_SUFFIX, 1.0) for h in heads}
-    base = {**feeds, **values, **seeds}
+    return {**feeds, **values, **seeds}, cs, prec
 
-    def objective(y: dict) -> float:
-        return float(sum(np.sum(np.asarray(cs[h], np.float64) * np.asarray(y[h], np.float64)) for h in heads))
 
+def _deterministic_run(train, base: dict) -> dict:
+    """The training graph's outputs at the point checked, after making sure a second run gives the same."""
     grads = train(base)
     again = train(base)
     if any(not np.array_equal(grads[k], again[k], equal_nan=True) for k in grads):
         raise UsageError("the training graph gives different results on the same data (random ops such as "
                          "Dropout in training mode?), so finite differences cannot check it")
-    l0 = objective(grads)
-    magnitude = float(sum(np.sum(np.abs(np.asarray(cs[h], np.float64) * np.asarray(grads[h], np.float64)))
-                          for h in heads))
-    eps_machine = float(np.finfo(prec).eps) if prec in ("float64", "float32", "float16") else 2.0 ** -7
+    return grads
 
-    result = CheckResult(heads, prec, reason, step, limit, seed, samples, unchecked=unchecked, loss_value=l0,
-                         engine=train.engine)
-    for p in params:
-        value, g = values[p], np.asarray(grads[p + GRAD_SUFFIX])
-        if g.shape != value.shape:  # a gradient of the wrong shape is as wrong as a wrong value
-            result.params.append(ParamCheck(p, tuple(value.shape), 0, float("inf"), (), float("nan"),
-                                            float("nan"), False))
-            continue
-        n = value.size
-        picks = np.arange(n) if samples == 0 or samples >= n else np.sort(rng.choice(n, samples, replace=False))
-        g_floor = 1e-2 * float(np.max(np.abs(g))) if g.size else 0.0
-        worst = (-1.0, 0, 0.0, 0.0)
-        for flat in picks:
-            x = float(value.flat[flat])
-            h = step * max(1.0, abs(x))
-            plus, minus = perturb(value, int(flat), h)  # this element moved by ±h
-            up, down = float(plus.flat[flat]) - x, x - float(minus.flat[flat])  # the steps the dtype really took
-            l_plus = objective(train({**base, p: plus}, heads))
-            l_minus = objective(train({**base, p: minus}, heads))
-            bp = float(g.flat[flat])
-            # central difference; where a kink (Relu, Max, Abs) lies within the step, the one-sided difference
-            # on the side of p is the derivative at p, so an element passes when either agrees
-            steps = [up + down, up, down]
-            diffs = [(l_plus - l_minus) / steps[0], (l_plus - l0) / steps[1], (l0 - l_minus) / steps[2]]
-            # the error is the disagreement beyond what rounding alone puts into a difference of two losses
-            # (measured: under half of eps * |loss| / step for the central one), relative to the larger of
-            # the two values and of 1% of the parameter's largest gradient element
-            rounding = 2 * eps_machine * max(magnitude, abs(l0))
-            errs = []
-            for fd, width in zip(diffs, steps):
-                scale = max(abs(bp), abs(fd), g_floor, 1e-300)
-                ok = np.isfinite(bp) and np.isfinite(fd)
-                errs.append(max(0.0, abs(bp - fd) - rounding / width) / scale if ok else float("inf"))
-            err = min(errs)
-            if err > worst[0]:
-                worst = (err, int(flat), bp, diffs[errs.index(err)])
-        err, flat, bp, fd = worst
-        err = max(err, 0.0)  # -1 when no element was checked (an empty parameter)
-        index = tuple(int(i) for i in np.unravel_index(flat, value.shape)) if value.shape and n else ()
-        result.params.append(ParamCheck(p, tuple(value.shape), len(picks), err, index, bp, fd, err <= limit))
-    return result
+
+def _check_parameter(p: str, value: np.ndarray, g: np.ndarray, loss_at: Callable[[str, np.ndarray], float],
+                     l0: float, step: float, limit: float, rounding: float, samples: int,
+                     rng: np.random.Generator) -> ParamCheck:
+    """The worst of `samples` elements of one parameter (every element for 0): backprop against the
+    finite differences of the scalar checked."""
+    if g.shape != value.shape:  # a gradient of the wrong shape is as wrong as a wrong value
+        return ParamCheck(p, tuple(value.shape), 0, float("inf"), (), float("nan"), float("nan"), False)
+    n = value.size
+    picks = np.arange(n) if samples == 0 or samples >= n else np.sort(rng.choice(n, samples, replace=False))
+    g_floor = 1e-2 * float(np.max(np.abs(g))) if g.size else 0.0
+    worst = (-1.0, 0, 0.0, 0.0)
+    for flat in picks:
+        x = float(value.flat[flat])
+        h = step * max(1.0, abs(x))
+        plus, minus = perturb(value, int(flat), h)  # this element moved by ±h
+        up, down = float(plus.flat[flat]) - x, x - float(minus.flat[flat])  # the steps the dtype really took
+        l_plus, l_minus = loss_at(p, plus), loss_at(p, minus)
+        bp = float(g.flat[flat])
+        # central difference; where a kink (Relu, Max, Abs) lies within the step, the one-sided difference
+        # on the side of p is the derivative at p, so an element passes when either agrees
+        steps = [up + down, up, down]
+        diffs = [(l_plus - l_minus) / steps[0], (l_plus - l0) / steps[1], (l0 - l_minus) / steps[2]]
+        # the error beyond rounding is relative to the larger of the two values and of 1% of the parameter's
+        # largest gradient element
+        errs = []
+        for fd, width in zip(diffs, steps):
+            scale = max(abs(bp), abs(fd), g_floor, 1e-300)
+            ok = np.isfinite(bp) and np.isfinite(fd)
+            errs.append(max(0.0, abs(bp - fd) - rounding / width) / scale if ok else float("inf"))
+        err = min(errs)
+        if err > worst[0]:
+            worst = (err, int(flat), bp, diffs[errs.index(err)])
+    err, flat, bp, fd = worst
+    err = max(err, 0.0)  # -1 when no element was checked (an empty parameter)
+    index = tuple(int(i) for i in np.unravel_index(flat, value.shape)) if value.shape and n else ()
+    return ParamCheck(p, tuple(value.shape), len(picks), err, index, bp, fd, err <= limit)
 
 
 # -- the graph's loss, parameters and data ----------------------------------------------------------------------
@@ -284,29 +313,5 @@ def _param_value(model, name, rng, dtype, sizes) -> np.ndarray:
 # -- graphs ----------------------------------------------------------------------------------------------------
 def forward_model(model: onnx.ModelProto, heads: list[str]) -> onnx.ModelProto:
     """The part of `model` that computes `heads`: nodes, inputs and initializers the heads do not need go."""
-    g = model.graph
-    needed, keep = set(heads), []
-    for node in reversed(g.node):
-        if any(o in needed for o in node.output if o):
-            keep.append(node)
-            needed.update(i for i in node.input if i)
-            needed.update(_names_read_in_subgraphs(node))
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    del out.graph.node[:], out.graph.input[:], out.graph.output[:], out.graph.initializer[:]
-    out.graph.node.extend(reversed(keep))
-    out.graph.input.extend(vi for vi in g.input if vi.name in needed)
-    out.graph.initializer.extend(t for t in g.initializer if t.name in needed)
-    by_name = {o.name: o for o in g.output}
-    out.graph.output.extend(by_name[h] for h in heads)
-    return out
-
-
-def _names_read_in_subgraphs(node: onnx.NodeProto) -> set[str]:
-    names = set()
-    for a in node.attribute:
-        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-            for n in sub.node:
-                names.update(i for i in n.input if i)
-                names.update(_names_read_in_subgraphs(n))
-    return names
+    nodes, _ = needed_subgraph(model.graph, heads)
+    return cut_model(model, nodes, heads, keep_metadata=[p.key for p in model.metadata_props])

@@ -8,7 +8,6 @@ value in the file, and `from_model` reads them back, so a later command can take
 from __future__ import annotations
 
 import copy
-import json
 from functools import lru_cache
 from typing import Iterable
 
@@ -16,8 +15,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .contract import FLOAT_TYPES, FORWARD, PHASES, PHASES_KEY
+from .contract import FLOAT_TYPES, FORWARD, PHASES_KEY
 from .errors import InternalError
+from .protos import decode_phases, encode_phases, outer_references
 from .weights import copy_fields, is_stub, should_stub, stub_of
 
 Dim = int | str | None  # a known size, a symbol, or unknown
@@ -335,29 +335,6 @@ class Graph:
         return model
 
 
-def encode_phases(phases: Iterable[str]) -> str:
-    """The phases of the nodes in order, as runs: '[["forward", 12], ["backward", 30]]'."""
-    runs: list[list] = []
-    for p in phases:
-        if runs and runs[-1][0] == p:
-            runs[-1][1] += 1
-        else:
-            runs.append([p, 1])
-    return json.dumps(runs, separators=(",", ":"))
-
-
-def decode_phases(text: str, count: int) -> list[str] | None:
-    """The per-node phases recorded by `encode_phases`; None when they do not describe `count` nodes."""
-    try:
-        runs = json.loads(text)
-        phases = [p for p, k in runs for _ in range(int(k))]
-    except (ValueError, TypeError):
-        return None
-    if len(phases) != count or any(p not in PHASES for p in phases):
-        return None
-    return phases
-
-
 def _shape_of(type_proto: onnx.TypeProto) -> tuple[int | None, tuple[Dim, ...] | None]:
     if not type_proto.HasField("tensor_type"):
         return None, None
@@ -404,9 +381,8 @@ def from_model(model: onnx.ModelProto, weights: dict[str, onnx.TensorProto] | No
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
             attach_implicit_inputs(graph, node)
     graph.values.pop("", None)
-    phases = decode_phases(graph.metadata.get(PHASES_KEY, ""), len(graph.nodes))
-    if phases is not None:
-        for node, phase in zip(graph.nodes, phases):
+    if PHASES_KEY in graph.metadata:
+        for node, phase in zip(graph.nodes, decode_phases(graph.metadata[PHASES_KEY], len(graph.nodes))):
             node.phase = phase
     for vi in g.output:
         v = graph.value(vi.name)
@@ -415,20 +391,6 @@ def from_model(model: onnx.ModelProto, weights: dict[str, onnx.TensorProto] | No
         v.shape = v.shape if v.shape is not None else shape
         graph.outputs.append(v)
     return graph
-
-
-def outer_references(g: onnx.GraphProto) -> list[str]:
-    """Names a subgraph reads without defining them (nested subgraphs included), in first-use order."""
-    defined = {v.name for v in g.input} | {t.name for t in g.initializer}
-    defined |= {t.values.name for t in g.sparse_initializer} | {o for n in g.node for o in n.output}
-    refs: list[str] = []
-    for n in g.node:
-        refs.extend(n.input)
-        for a in n.attribute:
-            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs):
-                refs.extend(outer_references(sub))
-    refs.extend(o.name for o in g.output)
-    return [r for r in dict.fromkeys(refs) if r and r not in defined]
 
 
 def names_defined_in(g: onnx.GraphProto) -> set[str]:

@@ -32,12 +32,14 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from . import runtime
-from .contract import (CHECKPOINT_KEY, GRAD_SUFFIX, LOSS_FN_KEY, LOSS_KEY, LOSS_SCALE_INPUT, LR_INPUT, STATE_KEY,
+from .contract import (CHECKPOINT_KEY, GRAD_SUFFIX, LOSS_KEY, LOSS_SCALE_INPUT, LR_INPUT, STATE_KEY,
                        TRAINING_METADATA)
 from .optim import SKIPPED_STEPS
 from .errors import InvalidModelError, NonFiniteError, UsageError
 from .io import atomic_write_bytes, save_model
 from .loader import read_model
+from .protos import class_counts as _class_counts, declared_dims as _dims, forward_outputs, random_feeds
+from .protos import needed_subgraph as _needed
 
 CHECKPOINT_FORMAT = 1
 STATE_PREFIX = "state/"
@@ -49,46 +51,6 @@ def training_graph_parameters(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """Initializers that have a `<name>_grad` output: the trainable parameters, in initializer order."""
     outs = {o.name for o in model.graph.output}
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name + GRAD_SUFFIX in outs}
-
-
-def random_feeds(model: onnx.ModelProto, dims: dict[str, int], seed: int, skip: set[str]) -> dict[str, np.ndarray]:
-    """Seeded data for every graph input that is not a parameter; integer inputs get valid class labels."""
-    rng = np.random.default_rng(seed)
-    classes = _class_counts(model)
-    feeds = {}
-    for vi in model.graph.input:
-        if vi.name in skip:
-            continue
-        t = vi.type.tensor_type
-        shape = []
-        for d in t.shape.dim:
-            if d.HasField("dim_value"):
-                shape.append(d.dim_value)
-            else:
-                shape.append(dims.get(d.dim_param, 4))
-        dtype = helper.tensor_dtype_to_np_dtype(t.elem_type)
-        if np.issubdtype(dtype, np.floating):
-            feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
-        elif np.issubdtype(dtype, np.integer):
-            feeds[vi.name] = rng.integers(0, classes.get(vi.name, 2), size=shape).astype(dtype)
-        elif dtype == np.bool_:
-            feeds[vi.name] = rng.integers(0, 2, size=shape).astype(bool)
-        else:
-            raise UsageError(f"input {vi.name!r}: cannot make random data of type {dtype}; pass --data")
-    return feeds
-
-
-def _class_counts(model: onnx.ModelProto) -> dict[str, int]:
-    """Labels read by a cross-entropy node take values below its class dimension, when that is known."""
-    shapes = {vi.name: vi.type.tensor_type.shape.dim
-              for vi in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)}
-    counts = {}
-    for n in model.graph.node:
-        if n.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss") and len(n.input) > 1:
-            dims = shapes.get(n.input[0])
-            if dims is not None and len(dims) > 1 and dims[1].HasField("dim_value"):
-                counts[n.input[1]] = dims[1].dim_value
-    return counts
 
 
 def run_training_graph(model: onnx.ModelProto, steps: int = 1, lr: float = 0.1, data: str | None = None,
@@ -185,25 +147,6 @@ def read_step_graph(model: str | os.PathLike | onnx.ModelProto) -> StepGraph:
     needed = _needed(g, forward)[1]
     parameters = [name for name in state if name in needed]
     return StepGraph(proto, state, loss, tuple(loss_dims), loss_dtype, lr, data, parameters, initial, forward)
-
-
-def forward_outputs(model: onnx.ModelProto, state: dict[str, str]) -> list[str]:
-    """The outputs before the first state output (the step graph's original outputs), less the loss that
-    `build-grad --loss-fn` appended (recorded in metadata `onnxgrad.loss_fn`)."""
-    names = [o.name for o in model.graph.output]
-    nexts = set(state.values())
-    first = next((i for i, n in enumerate(names) if n in nexts), len(names))
-    appended = None
-    for p in model.metadata_props:
-        if p.key == LOSS_FN_KEY:
-            try:
-                appended = json.loads(p.value).get("loss_output")
-            except (json.JSONDecodeError, AttributeError):
-                raise InvalidModelError(f"metadata {LOSS_FN_KEY!r} is not a JSON object") from None
-    outputs = [n for n in names[:first] if n != appended]
-    if not outputs:
-        raise InvalidModelError("the step graph has no forward outputs before its state outputs")
-    return outputs
 
 
 class Batches:
@@ -681,41 +624,7 @@ def _kept(checkpoint: str | os.PathLike | None, step: int | None) -> str:
     return f"{checkpoint} kept at step {step}"
 
 
-def _dims(vi: onnx.ValueInfoProto) -> list[int | str | None] | None:
-    t = vi.type.tensor_type
-    if not t.HasField("shape"):
-        return None
-    return [d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in t.shape.dim]
-
-
 # -- export --------------------------------------------------------------------------------------------------
-
-def _needed(graph: onnx.GraphProto, outputs: list[str]) -> tuple[list[onnx.NodeProto], set[str]]:
-    """The nodes the outputs depend on (in graph order) and every value name they read."""
-    producer = {o: n for n in graph.node for o in n.output if o}
-    needed_nodes, names, todo = set(), set(), list(outputs)
-    while todo:
-        name = todo.pop()
-        if name in names:
-            continue
-        names.add(name)
-        node = producer.get(name)
-        if node is not None and id(node) not in needed_nodes:
-            needed_nodes.add(id(node))
-            todo.extend(_reads(node))
-    return [n for n in graph.node if id(n) in needed_nodes], names
-
-
-def _reads(node: onnx.NodeProto) -> list[str]:
-    """A node's inputs and the outer-scope names its subgraphs read."""
-    names = [i for i in node.input if i]
-    for attr in node.attribute:
-        for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
-            local = {i.name for i in sub.input} | {t.name for t in sub.initializer}
-            local |= {o for n in sub.node for o in n.output}
-            names += [r for n in sub.node for r in _reads(n) if r not in local]
-    return names
-
 
 def strip_step_graph(graph: StepGraph, params: dict[str, np.ndarray]) -> onnx.ModelProto:
     """The step graph cut back to its forward outputs, with `params` as its initializers."""

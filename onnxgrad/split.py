@@ -14,12 +14,10 @@ import json
 from dataclasses import dataclass
 
 import onnx
-from onnx import helper
 
-from .contract import (GRAD_SUFFIX, LOSS_KEY, OPTIMIZER, OPTIMIZER_KEY, PHASES, PHASES_KEY, RUNTIME_HINTS,
-                       STATE_KEY)
+from .contract import GRAD_SUFFIX, LOSS_KEY, OPTIMIZER, OPTIMIZER_KEY, RUNTIME_HINTS, STATE_KEY
 from .errors import InvalidModelError, UsageError
-from .runner import _needed, _reads, forward_outputs
+from .protos import cut_model, forward_outputs, model_phases, needed_subgraph, node_reads
 
 
 @dataclass
@@ -41,30 +39,14 @@ class SplitStep:
 
 def optimizer_node_mask(model: onnx.ModelProto) -> tuple[list[bool], str]:
     """For each node in file order, whether it belongs to the optimizer; and where that came from."""
+    phases = model_phases(model)
+    if phases is not None:
+        return [phase == OPTIMIZER for phase in phases], "metadata"
     meta = {p.key: p.value for p in model.metadata_props}
-    nodes = list(model.graph.node)
-    if PHASES_KEY in meta:
-        return _mask_from_phases(meta[PHASES_KEY], len(nodes)), "metadata"
     params = _optimizer_parameters(meta)
-    gradient_nodes, _ = _needed(model.graph, _gradient_outputs(model, params))
+    gradient_nodes, _ = needed_subgraph(model.graph, _gradient_outputs(model, params))
     kept = {id(n) for n in gradient_nodes}
-    return [id(n) not in kept for n in nodes], "structure"
-
-
-def _mask_from_phases(text: str, count: int) -> list[bool]:
-    try:
-        runs = json.loads(text)
-        mask = []
-        for phase, length in runs:
-            if phase not in PHASES or not isinstance(length, int) or length < 0:
-                raise ValueError(phase)
-            mask += [phase == OPTIMIZER] * length
-    except (ValueError, TypeError):
-        raise InvalidModelError(f"metadata {PHASES_KEY!r} is not a JSON list of [phase, count] runs "
-                                f"with phases from {', '.join(PHASES)}") from None
-    if len(mask) != count:
-        raise InvalidModelError(f"metadata {PHASES_KEY!r} covers {len(mask)} nodes, the graph has {count}")
-    return mask
+    return [id(n) not in kept for n in model.graph.node], "structure"
 
 
 def _optimizer_parameters(meta: dict[str, str]) -> list[str]:
@@ -100,7 +82,7 @@ def split_step_graph(model: onnx.ModelProto) -> SplitStep:
     update_nodes = [n for n, opt in zip(nodes, mask) if opt]
     # The update graph may read parameters, state, lr and constants; from the gradient graph only `<p>_grad`
     # (anything else would be one process's value, not the average).
-    crossing = sorted({r for n in update_nodes for r in _reads(n)} & produced_by_gradient - set(grads))
+    crossing = sorted({r for n in update_nodes for r in node_reads(n)} & produced_by_gradient - set(grads))
     if crossing:
         raise InvalidModelError(f"the optimizer's nodes read {crossing[0]!r}, a value of the forward or backward "
                                 f"pass that is not a parameter gradient")
@@ -122,7 +104,7 @@ def restrict_update(update: onnx.ModelProto, outputs: list[str]) -> onnx.ModelPr
     inputs those need; `onnxgrad.state` keeps the pairs whose output stays."""
     meta = {p.key: p.value for p in update.metadata_props}
     state = {k: v for k, v in json.loads(meta[STATE_KEY]).items() if v in set(outputs)}
-    nodes, _ = _needed(update.graph, outputs)
+    nodes, _ = needed_subgraph(update.graph, outputs)
     out = _subgraph(update, nodes, outputs, keep_metadata=(OPTIMIZER_KEY, *RUNTIME_HINTS), name=update.graph.name)
     out.metadata_props.add(key=STATE_KEY, value=json.dumps(state))
     return out
@@ -130,28 +112,12 @@ def restrict_update(update: onnx.ModelProto, outputs: list[str]) -> onnx.ModelPr
 
 def _subgraph(model: onnx.ModelProto, nodes: list[onnx.NodeProto], outputs: list[str], *,
               extra_inputs: list[str] = (), keep_metadata: tuple[str, ...] = (), name: str) -> onnx.ModelProto:
-    """A model of `nodes` (in their order) with `outputs`; its inputs are the source graph's inputs they read
-    plus `extra_inputs` (values the nodes read that become inputs), with the source's types."""
-    g = model.graph
-    read = {r for n in nodes for r in _reads(n)} | set(outputs)
-    produced = {o for n in nodes for o in n.output if o}
-    types = {vi.name: vi for vi in [*g.input, *g.output, *g.value_info]}
-    for vi in g.input:  # a gradient has its parameter's type and shape
-        if vi.name + GRAD_SUFFIX not in types:
-            grad = types[vi.name + GRAD_SUFFIX] = onnx.ValueInfoProto()
-            grad.CopyFrom(vi)
-            grad.name = vi.name + GRAD_SUFFIX
-    for missing in [o for o in outputs if o not in types]:
-        raise InvalidModelError(f"the step graph declares no type for {missing!r}; run it through shape inference")
-    inputs = [vi for vi in g.input if vi.name in read and vi.name not in produced]
-    inputs += [types[e] for e in extra_inputs if e not in {vi.name for vi in inputs}]
-    inits = [t for t in g.initializer if t.name in read]
-    value_info = [vi for vi in g.value_info if vi.name in read | produced and vi.name not in set(outputs)]
-    graph = helper.make_graph(nodes, name, inputs, [types[o] for o in outputs], inits, value_info=value_info)
-    out = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version,
-                            producer_name=model.producer_name, producer_version=model.producer_version)
-    out.functions.extend(model.functions)
-    for p in model.metadata_props:
-        if p.key in keep_metadata:
-            out.metadata_props.add(key=p.key, value=p.value)
-    return out
+    """A model of `nodes` with `outputs` (`protos.cut_model`), where a parameter's gradient `<p>_grad` that the
+    step graph does not declare has its parameter's type and shape."""
+    grads = {}
+    for vi in model.graph.input:
+        grad = grads[vi.name + GRAD_SUFFIX] = onnx.ValueInfoProto()
+        grad.CopyFrom(vi)
+        grad.name = vi.name + GRAD_SUFFIX
+    return cut_model(model, nodes, outputs, extra_inputs=extra_inputs, types=grads, keep_metadata=keep_metadata,
+                     name=name)
