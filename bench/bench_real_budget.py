@@ -233,7 +233,7 @@ def train_rise(fwd: Path, work: Path, name: str, batch: int, budget: int, thread
     """`onnxgrad train` on a budgeted step graph: the rise of the resident set from its first step on."""
     import onnx
     from onnxgrad.memory import simulate
-    from onnxgrad.runner import random_feeds
+    from onnxgrad.protos import random_feeds
     step = work / f"{name}_b{batch}_{budget}_step.onnx"
     p = run(onnxgrad("mirror", str(fwd), "-o", str(step), "--budget", str(budget), "--optimizer", "sgd"))
     if p.returncode:

@@ -778,7 +778,7 @@ def test_mutated_protobufs_load_or_say_what_is_wrong(stats, tmp_path_factory, bl
 def onnxruntime_runs(path) -> bool:
     import onnxruntime as ort
 
-    from onnxgrad.runner import random_feeds
+    from onnxgrad.protos import random_feeds
     try:
         model = onnx.shape_inference.infer_shapes(onnx.load(path))
         so = ort.SessionOptions()

@@ -20,7 +20,7 @@ from onnxgrad.errors import UsageError
 from onnxgrad.ir import from_model
 from onnxgrad.memory.measure import measure
 from onnxgrad.memory.simulate import simulate
-from onnxgrad.runner import random_feeds
+from onnxgrad.protos import random_feeds
 from onnxgrad.shapes import type_everything
 from test_fuzz import REFUSALS, GraphDraw
 
@@ -103,9 +103,8 @@ def test_chain_recomputes_the_cheap_tail_and_keeps_the_heavy_op():
 
 
 def phases(model: onnx.ModelProto) -> list[str]:
-    from onnxgrad.ir import decode_phases
-    meta = {p.key: p.value for p in model.metadata_props}
-    return decode_phases(meta["onnxgrad.phases"], len(model.graph.node))
+    from onnxgrad.protos import model_phases
+    return model_phases(model)
 
 
 def test_diamond_one_value_feeding_several_branches_is_decided_for_all_its_readers():

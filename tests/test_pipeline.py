@@ -13,8 +13,9 @@ import onnxgrad
 from onnxgrad import pipeline
 from onnxgrad.builder import Builder, Names
 from onnxgrad.contract import BACKWARD, FORWARD, OPTIMIZER, PHASES_KEY, RECOMPUTE
-from onnxgrad.errors import InternalError
-from onnxgrad.ir import Graph, Node, Value, decode_phases, encode_phases, from_model
+from onnxgrad.errors import InternalError, InvalidModelError
+from onnxgrad.ir import Graph, Node, Value, from_model
+from onnxgrad.protos import decode_phases, encode_phases
 from onnxgrad.passes.schedule import is_topological, stable_topological_order
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -67,8 +68,10 @@ def test_phase_runs_round_trip_and_reject_a_wrong_count():
     phases = [FORWARD] * 3 + [RECOMPUTE, BACKWARD, BACKWARD, RECOMPUTE, OPTIMIZER]
     text = encode_phases(phases)
     assert decode_phases(text, len(phases)) == phases
-    assert decode_phases(text, len(phases) + 1) is None
-    assert decode_phases("not json", 3) is None
+    with pytest.raises(InvalidModelError, match="covers 8 nodes, the graph has 9"):
+        decode_phases(text, len(phases) + 1)
+    with pytest.raises(InvalidModelError, match="not a JSON list"):
+        decode_phases("not json", 3)
 
 
 # -- graph editing ----------------------------------------------------------------------------------------

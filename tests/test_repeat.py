@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxgrad
 from gradcheck import _build, _model, float_outputs
 from onnxgrad.builder import ONE_HOT_MAX_ROWS
-from onnxgrad.runner import random_feeds
+from onnxgrad.protos import random_feeds
 from repeat import assert_repeatable, rel_l2
 from test_rules import ALL_CASES
 

@@ -235,7 +235,7 @@ def profile_costs(model, symbols: dict[str, int] | None = None, feeds: dict | No
     import onnx
     import onnxruntime as ort
 
-    from ..runner import random_feeds
+    from ..protos import random_feeds
     from ..runtime import model_bytes, providers
 
     if not isinstance(model, onnx.ModelProto):

@@ -28,7 +28,7 @@ CHILD = r"""
 import json, sys, time
 import numpy as np, onnx, onnxruntime as ort
 from onnxgrad import runtime
-from onnxgrad.runner import random_feeds
+from onnxgrad.protos import random_feeds
 
 def status(key):
     for line in open("/proc/self/status"):
