@@ -5,11 +5,11 @@ that defines the op, and for the element types of the node's inputs and outputs;
 forms (`_refused_form`). A node it does not claim runs on the CPU provider, with copies across the bus both
 ways: correct, silent and slow. `cuda_fallbacks(model)` names each such node.
 
-`data/cuda_kernels.txt` (package data) is the ai.onnx part of the CUDA provider's kernel table as onnxruntime generates it
-(`docs/OperatorKernels.md`, section "Operators implemented by CUDAExecutionProvider", read at commit
-001d12d2623fd411ce0f83d05abb5e82304a3389 of github.com/microsoft/onnxruntime), and the refused forms are those of
-`CUDAExecutionProvider::GetCapability` (`onnxruntime/core/providers/cuda/cuda_execution_provider.cc`, read at
-commit 0018ddb68e9b). The installed onnxruntime-gpu (1.31.1) cannot list its own registry on a machine without a
+The kernel table, `data/cuda_kernels.txt` (package data), is the ai.onnx part of the CUDA provider's table as
+onnxruntime generates it (`docs/OperatorKernels.md`, section "Operators implemented by CUDAExecutionProvider",
+read at commit 001d12d2623fd411ce0f83d05abb5e82304a3389 of github.com/microsoft/onnxruntime); the refused forms
+are those of `CUDAExecutionProvider::GetCapability` (`onnxruntime/core/providers/cuda/cuda_execution_provider.cc`,
+read at commit 0018ddb68e9b). The installed onnxruntime-gpu (1.31.1) cannot list its own registry on a machine without a
 GPU: loading the provider needs the CUDA libraries and the driver, and `get_all_opkernel_def()` then constructs
 the provider, which needs a device. `bench/gpu_check.py` sets this table beside the placement onnxruntime
 actually chooses, where a GPU is present.

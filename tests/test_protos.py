@@ -70,8 +70,8 @@ def nested_if_in_loop() -> onnx.NodeProto:
          h.make_node("Identity", ["cond_in"], ["cond_out"]),
          h.make_node("Add", ["picked", "c"], ["carry_out"])],
         "body",
-        [h.make_tensor_value_info("i", TensorProto.INT64, []), h.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-         h.make_tensor_value_info("carry", F, [1])],
+        [h.make_tensor_value_info("i", TensorProto.INT64, []),
+         h.make_tensor_value_info("cond_in", TensorProto.BOOL, []), h.make_tensor_value_info("carry", F, [1])],
         [h.make_tensor_value_info("cond_out", TensorProto.BOOL, []), h.make_tensor_value_info("carry_out", F, [1])])
     return h.make_node("Loop", ["trips", "", "start"], ["end"], body=body)
 
