@@ -1,4 +1,4 @@
-"""`onnxgrad train` and onnxgrad.runner.StepGraphTrainer: loss falls on the shipped models, state stays in
+"""`onnxgrad train` and onnxgrad.training.StepGraphTrainer: loss falls on the shipped models, state stays in
 OrtValues bound with IOBinding, batches follow the seed, a resumed run equals a straight one, export gives a
 runnable model."""
 import json
@@ -15,7 +15,7 @@ from onnx import numpy_helper
 import onnxgrad
 from onnxgrad.cli import main
 from onnxgrad.errors import UsageError
-from onnxgrad.runner import Batches, StepGraphTrainer, read_step_graph
+from onnxgrad.training import Batches, StepGraphTrainer, read_step_graph
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -68,9 +68,10 @@ def test_state_is_held_in_ortvalues_and_bound_with_iobinding(steps, monkeypatch)
     assert all(isinstance(v, ort.OrtValue) and v.device_name() == "cpu" for v in start.values())
 
     runs, host_copies = [], []
-    real_run = trainer.session.run_with_iobinding
-    monkeypatch.setattr(trainer.session, "run", lambda *a, **k: pytest.fail("a step ran without IOBinding"))
-    monkeypatch.setattr(trainer.session, "run_with_iobinding", lambda io, *a: runs.append(io) or real_run(io, *a))
+    session = trainer.executor.session
+    real_run = session.run_with_iobinding
+    monkeypatch.setattr(session, "run", lambda *a, **k: pytest.fail("a step ran without IOBinding"))
+    monkeypatch.setattr(session, "run_with_iobinding", lambda io, *a: runs.append(io) or real_run(io, *a))
     real_numpy = ort.OrtValue.numpy
     monkeypatch.setattr(ort.OrtValue, "numpy", lambda self: host_copies.append(self) or real_numpy(self))
     batch = {k: v[:8] for k, v in learnable_data("mlp").items()}
