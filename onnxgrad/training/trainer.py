@@ -73,9 +73,14 @@ class StepGraphTrainer:
     def __init__(self, model: str | os.PathLike | onnx.ModelProto | StepExecutor, *, provider: str = "auto",
                  threads: int | None = None, lr: float | None = None, profile_prefix: str | None = None,
                  configure=None):
-        self.executor = model if isinstance(model, StepExecutor) else \
-            SessionExecutor(model, provider=provider, threads=threads, profile_prefix=profile_prefix,
-                            configure=configure)
+        if isinstance(model, StepExecutor):
+            if (provider, threads, profile_prefix, configure) != ("auto", None, None, None):
+                raise UsageError("provider, threads, profile_prefix and configure make a session for a step "
+                                 "graph; an executor comes with its own")
+            self.executor = model
+        else:
+            self.executor = SessionExecutor(model, provider=provider, threads=threads, profile_prefix=profile_prefix,
+                                            configure=configure)
         self.graph = self.executor.graph
         self.device = self.executor.device
         self.steps_done = 0
@@ -133,6 +138,8 @@ class StepGraphTrainer:
     def close(self) -> None:
         """Release what the executor holds beyond memory (a data-parallel process group)."""
         self.executor.close()
+
+    # -- the loop -------------------------------------------------------------------------------------------
 
     def fit(self, data: str | os.PathLike | dict[str, np.ndarray] | Batches, *, steps: int | None = None,
             epochs: int | None = None, batch: int | None = None, seed: int = 0, shuffle: bool = True,
