@@ -59,7 +59,7 @@ def make_data(name: str, rows: int) -> dict[str, np.ndarray]:
 
 def worker(folder: Path, name: str, batch: int, steps: int, kind: str) -> None:
     """One process of a run; rank 0 writes the timings."""
-    from onnxgrad.runner import Batches, StepGraphTrainer
+    from onnxgrad.training import Batches, StepGraphTrainer
 
     data = dict(np.load(folder / f"{name}.npz"))
     batches = Batches(data, batch, shuffle=False)
@@ -74,8 +74,8 @@ def worker(folder: Path, name: str, batch: int, steps: int, kind: str) -> None:
         trainer.step(batches[i])
         seconds.append(time.perf_counter() - started)
         cpu.append(time.process_time() - started_cpu)
-    comm = getattr(trainer, "comm_seconds", [0.0] * len(seconds))
-    if kind == "fused" or trainer.rank == 0:
+    comm = getattr(trainer.executor, "comm_seconds", [0.0] * len(seconds))
+    if kind == "fused" or trainer.executor.rank == 0:
         out = {"step_seconds": seconds[WARMUP:], "comm_seconds": comm[WARMUP:], "cpu_seconds": cpu[WARMUP:]}
         (folder / f"{name}.{kind}.json").write_text(json.dumps(out))
     if kind != "fused":

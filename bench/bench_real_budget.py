@@ -98,7 +98,8 @@ BATCH = {"resnet50": 8, "gpt2": 4, "bert": 8, "vit": 4}
 # mark at the end (the step itself is untouched).
 TRAIN = r"""
 import json, sys
-from onnxgrad import cli, runner
+from onnxgrad import cli
+from onnxgrad.training import StepGraphTrainer
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -106,14 +107,14 @@ def status(key):
             return int(line.split()[1]) * 1024
 
 seen = {}
-step = runner.StepGraphTrainer.step
+step = StepGraphTrainer.step
 def observed(self, feeds):
     if "before" not in seen:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         seen["before"] = status("VmRSS")
     return step(self, feeds)
-runner.StepGraphTrainer.step = observed
+StepGraphTrainer.step = observed
 try:
     code = cli.main(sys.argv[2:])
 finally:

@@ -16,7 +16,7 @@ Three models, each written here with onnx.helper and mirrored op for op in PyTor
        1x1 conv to 1280, global average pool, linear 100), BatchNormalization as above; [3,96,96], batch 16
 One step = forward, backward and a plain SGD update (`p -= lr * grad`) on one fixed batch:
   ours   the step graph (`onnxgrad.build_gradient` plus an SGD update, parameters kept in OrtValues and bound
-         with IOBinding by onnxgrad.runner.StepGraphTrainer), CPU provider, the graph's session settings
+         with IOBinding by onnxgrad.training.StepGraphTrainer), CPU provider, the graph's session settings
   torch  eager `loss.backward()` and `torch.optim.SGD.step()` (zero_grad(set_to_none=True) first)
   ort-training  onnxruntime-training's `generate_artifacts(..., optimizer=OptimType.SGD)`, then
          `Module(...)(inputs)`, `Optimizer.step()`, `Module.lazy_reset_grad()`; it runs in its own interpreter
@@ -406,7 +406,7 @@ def step_graph(model, lr, precision="fp32"):
 
 
 def our_trainer(step, threads, configure=None, profile_prefix=None):
-    from onnxgrad.runner import StepGraphTrainer as Trainer
+    from onnxgrad.training import StepGraphTrainer as Trainer
     return Trainer(step, provider="cpu", threads=threads, configure=configure, profile_prefix=profile_prefix)
 
 
@@ -446,7 +446,7 @@ def profile(step, batch, threads, k, top=12):
         trainer = our_trainer(step, threads, profile_prefix=os.path.join(tmp, "ours"))
         for _ in range(3 + k):
             trainer.step(batch)
-        events = json.loads(Path(trainer.session.end_profiling()).read_text())
+        events = json.loads(Path(trainer.executor.session.end_profiling()).read_text())
     runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"][-k:]
     start = runs[0]["ts"]
     by_op, node_op = {}, {}

@@ -247,7 +247,7 @@ def check_model(name: str, steps: int, rounds: int, lr: float, use_torch: bool, 
     import onnxgrad
     from onnxgrad import runtime
     from onnxgrad.cuda import fallback_nodes
-    from onnxgrad.runner import StepGraphTrainer
+    from onnxgrad.training import StepGraphTrainer
 
     model = bench_train.MODELS[name]()
     batch = bench_train.batch_for(name, np.random.default_rng(0))
@@ -275,7 +275,7 @@ def check_model(name: str, steps: int, rounds: int, lr: float, use_torch: bool, 
         profiled = StepGraphTrainer(step, provider=device, profile_prefix=os.path.join(tmp, "p"))
         for _ in range(2):
             profiled.step(batch)
-        events = json.loads(Path(profiled.session.end_profiling()).read_text())
+        events = json.loads(Path(profiled.executor.session.end_profiling()).read_text())
         del profiled
         gc.collect()
     heavy, light = cpu_nodes(placement(events))

@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -570,9 +571,7 @@ def run_cmd(train_model, steps, lr, data, dim, seed, provider, report):
               help="Under torchrun: a collective that takes longer (a process died or hangs) ends the run "
                    "[default: 600].")
 @click.option("-f", "--force", is_flag=True, hidden=True, help="Accepted for old scripts; outputs are always replaced.")
-def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_shuffle, provider, threads, lr,
-              checkpoint, checkpoint_every, resume, export, forward, report, log_every, quiet_train, allow_nonfinite,
-              zero1, bucket_mb, timeout_s, force):
+def train_cmd(step_model, data, resume, checkpoint, export, forward, report, **flags):
     """Train with a step graph (written by build-grad --optimizer) in onnxruntime: parameters and optimizer
     state stay on the device between steps; progress (loss, samples/s) goes to stderr, a summary to stdout.
 
@@ -581,21 +580,9 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
 
     Everything that can be checked is checked before the first step: the paths, the data (labels in range),
     the checkpoint to resume and the data it was made with, and the --forward model for --export."""
-    from . import distributed
     from .loader import read_model
-    from .runner import StepGraphTrainer
 
-    parallel = distributed.launched()
-    if not parallel:
-        given = [flag for flag, value in (("--zero1", zero1), ("--bucket-mb", bucket_mb), ("--timeout", timeout_s))
-                 if value]
-        if given:
-            raise UsageError(f"{given[0]}: only under torchrun (data-parallel training); see the README, "
-                             f"\"Data-parallel training\"")
-    if checkpoint_every and not checkpoint:
-        raise UsageError("--checkpoint-every needs --checkpoint PATH")
-    if forward and not export:
-        raise UsageError("--forward is only used with --export")
+    options = _TrainOptions.from_flags(flags, checkpoint=checkpoint, export=export, forward=forward)
     paths = OutputPaths({step_model: "the input model", data: "the --data file", forward: "the --forward model",
                          resume: "the --resume checkpoint"})
     export_path = paths.claim(export, "--export", "the exported model") if export else None
@@ -604,26 +591,21 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
     report_path = paths.claim(report, "--report", "the report") if report else None
     checkpoint_path = paths.claim(checkpoint, "--checkpoint", "the checkpoint", reads=resume) if checkpoint else None
     forward_model = read_model(forward) if forward else None
-    if parallel:
-        trainer = distributed.DataParallelTrainer(
-            step_model, provider=provider, threads=threads, lr=lr, zero1=zero1,
-            bucket_mb=bucket_mb or distributed.DEFAULT_BUCKET_MB, timeout=timeout_s or distributed.DEFAULT_TIMEOUT_S)
-    else:
-        trainer = StepGraphTrainer(step_model, provider=provider, threads=threads, lr=lr)
-    lead = not parallel or trainer.rank == 0     # the process that prints and writes
+    trainer = options.trainer(step_model)
+    lead = trainer.executor.lead        # the process that prints and writes
     if resume:
         trainer.load_checkpoint(resume)
-    batches = trainer.batches(data, batch, seed, shuffle=not no_shuffle, drop_last=not keep_last_batch)
+    batches = trainer.batches(data, options.batch, options.seed, shuffle=options.shuffle,
+                              drop_last=options.drop_last)
     trainer.check_export(forward_model)
-    quiet = quiet_train or not log.isEnabledFor(logging.INFO) or not lead
-    result = trainer.fit(batches, steps=steps, epochs=epochs, checkpoint=checkpoint_path,
-                         checkpoint_every=checkpoint_every, progress="off" if quiet else "auto",
-                         log_every=log_every, allow_nonfinite=allow_nonfinite)
-    if parallel:
-        trainer.close()
-        if not lead:
-            return
-    where = f"{trainer.device}, {trainer.world} processes" if parallel else trainer.device
+    quiet = options.quiet or not log.isEnabledFor(logging.INFO) or not lead
+    result = trainer.fit(batches, steps=options.steps, epochs=options.epochs, checkpoint=checkpoint_path,
+                         checkpoint_every=options.checkpoint_every, progress="off" if quiet else "auto",
+                         log_every=options.log_every, allow_nonfinite=options.allow_nonfinite)
+    trainer.close()
+    if not lead:
+        return
+    where = f"{trainer.device}, {trainer.executor.world} processes" if options.parallel else trainer.device
     if result.losses:
         click.echo(f"steps {result.first_step}-{result.steps} (epoch {result.epochs:.2f}, {where}): "
                    f"loss {result.losses[0]:.6g} -> {result.losses[-1]:.6g}, "
@@ -636,16 +618,68 @@ def train_cmd(step_model, data, steps, epochs, batch, keep_last_batch, seed, no_
         save_model(trainer.export(forward=forward_model), export_path)
         click.echo(str(export_path))
     if report_path:
-        extra = {}
-        if parallel:
-            ran = len(trainer.comm_seconds) - len(result.losses)
-            comm = trainer.comm_seconds[ran:]
-            extra = {"world_size": trainer.world, "zero1": zero1, "allreduce_seconds": [round(s, 6) for s in comm],
-                     "allreduce_bytes": trainer.comm_bytes[ran:],
-                     "allreduce_share": round(sum(comm) / max(sum(result.step_seconds), 1e-12), 6)}
+        communication = trainer.executor.report(result) if options.parallel else {}
         save_json(_report("train", {"input": step_model, "data": data, "device": trainer.device, "lr": trainer.lr,
-                                    "seed": seed, "resumed_from": resume, "checkpoint": checkpoint,
-                                    "export": export, **result.to_json(), **extra}), report_path)
+                                    "seed": options.seed, "resumed_from": resume, "checkpoint": checkpoint,
+                                    "export": export, **result.to_json(), **communication}), report_path)
+
+
+@dataclass(frozen=True)
+class _TrainOptions:
+    """`onnxgrad train`'s flags other than its paths, checked once: for the trainer, its batches and `fit`."""
+
+    parallel: bool                  # launched by torchrun: one process of a data-parallel job
+    provider: str
+    threads: int | None
+    lr: float | None
+    batch: int | None
+    seed: int
+    shuffle: bool
+    drop_last: bool
+    steps: int | None
+    epochs: int | None
+    checkpoint_every: int | None
+    log_every: int | None
+    quiet: bool
+    allow_nonfinite: bool
+    zero1: bool
+    bucket_mb: float | None         # None: the data-parallel default
+    timeout: float | None
+
+    @classmethod
+    def from_flags(cls, flags: dict, checkpoint: str | None, export: str | None,
+                   forward: str | None) -> _TrainOptions:
+        from . import distributed
+
+        parallel = distributed.launched()
+        if not parallel:
+            given = [flag for flag, value in (("--zero1", flags["zero1"]), ("--bucket-mb", flags["bucket_mb"]),
+                                              ("--timeout", flags["timeout_s"])) if value]
+            if given:
+                raise UsageError(f"{given[0]}: only under torchrun (data-parallel training); see the README, "
+                                 f"\"Data-parallel training\"")
+        if flags["checkpoint_every"] and not checkpoint:
+            raise UsageError("--checkpoint-every needs --checkpoint PATH")
+        if forward and not export:
+            raise UsageError("--forward is only used with --export")
+        return cls(parallel=parallel, provider=flags["provider"], threads=flags["threads"], lr=flags["lr"],
+                   batch=flags["batch"], seed=flags["seed"], shuffle=not flags["no_shuffle"],
+                   drop_last=not flags["keep_last_batch"], steps=flags["steps"], epochs=flags["epochs"],
+                   checkpoint_every=flags["checkpoint_every"], log_every=flags["log_every"],
+                   quiet=flags["quiet_train"], allow_nonfinite=flags["allow_nonfinite"], zero1=flags["zero1"],
+                   bucket_mb=flags["bucket_mb"], timeout=flags["timeout_s"])
+
+    def trainer(self, step_model: str):
+        """The one-process trainer, or under torchrun this process's data-parallel one."""
+        from . import distributed
+        from .training.trainer import StepGraphTrainer
+
+        if not self.parallel:
+            return StepGraphTrainer(step_model, provider=self.provider, threads=self.threads, lr=self.lr)
+        return distributed.DataParallelTrainer(
+            step_model, provider=self.provider, threads=self.threads, lr=self.lr, zero1=self.zero1,
+            bucket_mb=self.bucket_mb or distributed.DEFAULT_BUCKET_MB,
+            timeout=self.timeout or distributed.DEFAULT_TIMEOUT_S)
 
 
 @cli.command("split", epilog=EXIT_CODES_HELP)

@@ -25,9 +25,11 @@ to processes, largest first, to the least-loaded one); each process runs the par
 updates the parameters it owns, then every owner broadcasts its new parameters. Accumulated gradients, the
 step counters and the parameters themselves stay on every process.
 
-Checkpoints hold the whole state (gathered from the owners under ZeRO-1) and are written by rank 0 in the
-one-process format, so a run resumes on any number of processes, or in `StepGraphTrainer`. A collective that
-does not complete within `timeout` seconds (a process died or hangs) ends every other process with one line.
+`DataParallelExecutor` is this process's executor of the one training loop (training/trainer.py), which does
+the batches, checkpoints, progress and export as in a one-process run. Checkpoints hold the whole state
+(gathered from the owners under ZeRO-1) and are written by rank 0 in the one-process format, so a run resumes
+on any number of processes, or in one. A collective that does not complete within `timeout` seconds (a process
+died or hangs) ends every other process with one line.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import os
 import re
 import time
 from datetime import timedelta
+from typing import Callable, TypeVar
 
 import numpy as np
 import onnx
@@ -45,12 +48,15 @@ from . import runtime
 from .contract import GRAD_SUFFIX, LOSS_FN_KEY, OPTIMIZER_KEY
 from .errors import OnnxgradError, UsageError
 from .optim import state_kinds
-from .runner import Batches, StepGraphTrainer, read_checkpoint, read_step_graph
 from .split import restrict_update, split_step_graph
+from .training.executor import StepExecutor
+from .training.step import read_step_graph
+from .training.trainer import StepGraphTrainer, TrainResult
 
 DEFAULT_BUCKET_MB = 25.0
 DEFAULT_TIMEOUT_S = 600.0
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+T = TypeVar("T")
 
 
 class DistributedError(OnnxgradError):
@@ -116,19 +122,13 @@ def plan_buckets(grads: list[tuple[str, tuple, np.dtype]], cap_bytes: int, loss:
     return plan
 
 
-class DataParallelTrainer(StepGraphTrainer):
-    """A `StepGraphTrainer` that is one of the processes of a torch.distributed job: `fit` and `step` take the
-    global batch and run this process's shard of it; losses are those of the global batch.
-
-        trainer = DataParallelTrainer("step.onnx", zero1=True)  # under torchrun
-        trainer.fit("data.npz", steps=100, batch=64)             # 64 rows a step over all processes
-        trainer.close()
-
-    `state_dict`, `save_checkpoint` and `fit` are collective: every process must call them."""
+class DataParallelExecutor(StepExecutor):
+    """One process of a torch.distributed job as the executor of the training loop: `step` takes the global
+    batch, runs this process's shard and returns the global batch's loss."""
 
     def __init__(self, model: str | os.PathLike | onnx.ModelProto, *, provider: str = "auto",
-                 threads: int | None = None, lr: float | None = None, zero1: bool = False,
-                 bucket_mb: float = DEFAULT_BUCKET_MB, timeout: float = DEFAULT_TIMEOUT_S):
+                 threads: int | None = None, zero1: bool = False, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 timeout: float = DEFAULT_TIMEOUT_S):
         self.torch, self.dist = import_torch_distributed()
         if bucket_mb <= 0:
             raise UsageError(f"--bucket-mb {bucket_mb:g}: must be > 0")
@@ -140,6 +140,7 @@ class DataParallelTrainer(StepGraphTrainer):
         self.reduce_mean = loss_fn.get("reduction", "mean") != "sum"
         self.timeout, self.zero1, self._bucket_bytes = timeout, zero1, int(bucket_mb * 2**20)
         self._join(provider, timeout)
+        self.shards, self.lead = self.world, self.rank == 0
         if threads is None and self.device == "cpu":
             threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
 
@@ -160,8 +161,7 @@ class DataParallelTrainer(StepGraphTrainer):
         # graph inputs, with those that have a stored value (session.get_inputs() leaves these out)
         self._inputs = {"gradient": [vi.name for vi in self.split.gradient.graph.input],
                         "update": [vi.name for vi in update.graph.input]}
-        self.session = self.update_session
-        self.steps_done, self.resumed, self.lr, self._lr_chosen = 0, None, None, False
+        self.steps_done = 0                         # for the step numbers in messages
         self.comm_seconds: list[float] = []         # per step: waiting for collectives
         self.comm_bytes: list[int] = []             # per step: bytes this process all-reduced or broadcast
         self._current = 0
@@ -174,7 +174,6 @@ class DataParallelTrainer(StepGraphTrainer):
         self._allocate()
         self._grad_bindings = [self._gradient_binding(b) for b in (0, 1)]
         self._bindings = [self._update_binding(b) for b in (0, 1)]
-        self._start_lr(lr)
 
     # -- joining the job ------------------------------------------------------------------------------------
 
@@ -319,6 +318,12 @@ class DataParallelTrainer(StepGraphTrainer):
     def _device_value(self, array: np.ndarray) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_numpy(np.asarray(array, order="C"), self.device, self.device_id)
 
+    def feed_lr(self, value: np.ndarray) -> None:
+        """The learning rate is read by the update graph only."""
+        self._lr_value = self._device_value(value)
+        for binding in self._bindings:
+            binding.bind_ortvalue_input(self.graph.lr, self._lr_value)
+
     # -- the step -------------------------------------------------------------------------------------------
 
     def step(self, feeds: dict[str, np.ndarray]) -> float:
@@ -453,37 +458,54 @@ class DataParallelTrainer(StepGraphTrainer):
                 for name in self._acc_names:
                     self._tensors[name][self._current].zero_()
 
-    def save_checkpoint(self, path: str | os.PathLike, batches: Batches | None = None) -> None:
-        """The whole state, gathered, written by rank 0 in the one-process format (collective)."""
-        state = self.state_dict()
-        if self.rank == 0:
-            self._write_checkpoint(path, state, batches)
+    def count_from(self, steps_done: int) -> None:
+        self.steps_done = steps_done
 
-    def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Rank 0 reads the checkpoint and sends it to the others (only its machine needs the file)."""
+    def from_lead(self, read: Callable[[], T], what: str) -> T:
+        """Rank 0 reads (a checkpoint: only its machine needs the file) and sends the result, or its usage
+        error, to the others."""
         payload = [None]
         if self.rank == 0:
             try:
-                payload = [("ok", *read_checkpoint(path))]
+                payload = [("ok", read())]
             except OnnxgradError as e:
                 payload = [("error", str(e))]
         if self.world > 1:
             try:
                 self.dist.broadcast_object_list(payload, src=0)
             except RuntimeError as e:
-                raise DistributedError(f"rank {self.rank} of {self.world}: receiving the checkpoint from rank 0 "
+                raise DistributedError(f"rank {self.rank} of {self.world}: receiving {what} from rank 0 "
                                        f"failed ({_first_line(e)})") from None
         if payload[0][0] == "error":
             raise UsageError(payload[0][1])
-        _, record, state = payload[0]
-        return self._restore(record, state, f"--resume {path}")
+        return payload[0][1]
 
-    def _batch_size(self, batch: int | None, arrays: dict[str, np.ndarray]) -> int:
-        size = super()._batch_size(batch, arrays)
-        if size % self.world:
-            raise UsageError(f"--batch {size}: the global batch must split into {self.world} equal shards "
-                             f"(one per process)")
-        return size
+    def report(self, result: TrainResult) -> dict:
+        """What the steps of `result` waited for and sent, for `onnxgrad train --report`: per step the seconds
+        spent in collectives and the bytes this process all-reduced or broadcast, and the share of the step
+        time the collectives took."""
+        ran = len(self.comm_seconds) - len(result.losses)
+        comm = self.comm_seconds[ran:]
+        return {"world_size": self.world, "zero1": self.zero1, "allreduce_seconds": [round(s, 6) for s in comm],
+                "allreduce_bytes": self.comm_bytes[ran:],
+                "allreduce_share": round(sum(comm) / max(sum(result.step_seconds), 1e-12), 6)}
+
+
+class DataParallelTrainer(StepGraphTrainer):
+    """The training loop over this process's `DataParallelExecutor`: `fit` and `step` take the global batch and
+    run this process's shard of it; losses are those of the global batch.
+
+        trainer = DataParallelTrainer("step.onnx", zero1=True)  # under torchrun
+        trainer.fit("data.npz", steps=100, batch=64)             # 64 rows a step over all processes
+        trainer.close()
+
+    `state_dict`, `save_checkpoint`, `load_checkpoint` and `fit` are collective: every process must call them."""
+
+    def __init__(self, model: str | os.PathLike | onnx.ModelProto, *, provider: str = "auto",
+                 threads: int | None = None, lr: float | None = None, zero1: bool = False,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, timeout: float = DEFAULT_TIMEOUT_S):
+        super().__init__(DataParallelExecutor(model, provider=provider, threads=threads, zero1=zero1,
+                                              bucket_mb=bucket_mb, timeout=timeout), lr=lr)
 
 
 def _first_line(e: BaseException) -> str:

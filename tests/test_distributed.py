@@ -110,9 +110,10 @@ def worker(folder: Path) -> None:
                                       bucket_mb=TINY_BUCKET_MB, timeout=60)
         result = trainer.fit(data_for(name), steps=STEPS, batch=BATCH, seed=0)
         state = trainer.state_dict()
-        if trainer.rank == 0:
+        if trainer.executor.rank == 0:
             np.savez(folder / f"{name}.out.npz", losses=np.array(result.losses),
-                     buckets=np.array(len(trainer._buckets)), comm_bytes=np.array(trainer.comm_bytes),
+                     buckets=np.array(len(trainer.executor._buckets)),
+                     comm_bytes=np.array(trainer.executor.comm_bytes),
                      **{f"state/{k}": v for k, v in state.items()})
     # checkpoints: written here after an odd number of micro-batches (ZeRO-1, each process holding its own
     # sums), and resumed here from a one-process checkpoint
@@ -123,7 +124,7 @@ def worker(folder: Path) -> None:
     second.load_checkpoint(folder / "one_half.npz")
     result = second.fit(data, steps=STEPS, batch=BATCH, seed=0)
     state = second.state_dict()
-    if second.rank == 0:
+    if second.executor.rank == 0:
         np.savez(folder / "resumed.out.npz", losses=np.array(result.losses),
                  **{f"state/{k}": v for k, v in state.items()})
     second.close()
@@ -135,15 +136,17 @@ def cli_worker(stop: str, at_step: int, args: list[str]) -> int:
     from onnxgrad.cli import main
 
     if os.environ["RANK"] == "1":
-        real = distributed.DataParallelTrainer.step
+        real = distributed.DataParallelExecutor.step
+        started = []
 
         def step(self, feeds):
-            if self.steps_done + 1 == at_step:
+            started.append(feeds)
+            if len(started) == at_step:
                 if stop == "exit":
                     os._exit(3)
                 time.sleep(600)
             return real(self, feeds)
-        distributed.DataParallelTrainer.step = step
+        distributed.DataParallelExecutor.step = step
     return main(args)
 
 
@@ -152,7 +155,7 @@ def cli_worker(stop: str, at_step: int, args: list[str]) -> int:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """Step graphs, data, the one-process reference runs and one 2-process run of every configuration."""
-    from onnxgrad.runner import StepGraphTrainer
+    from onnxgrad.training import StepGraphTrainer
 
     folder = tmp_path_factory.mktemp("dp")
     data = learnable_data()
@@ -195,7 +198,7 @@ def test_two_processes_equal_one_process(job, name):
 
 
 def test_checkpoints_resume_on_another_world_size(job):
-    from onnxgrad.runner import StepGraphTrainer
+    from onnxgrad.training import StepGraphTrainer
 
     folder, reference = job
     losses, state = reference[RESUME]

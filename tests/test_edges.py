@@ -308,7 +308,7 @@ def test_a_nan_loss_stops_with_exit_8_keeping_the_last_good_checkpoint(tmp_path,
                          "--quiet")
     assert_one_line_error(code, out, err, 8, f"step 5: the loss is nan (NaN or infinite); training stopped, {ck} kept "
                                              f"at step 4; --allow-nonfinite trains on")
-    from onnxgrad.runner import read_checkpoint
+    from onnxgrad.training import read_checkpoint
     record, state = read_checkpoint(ck)
     assert record["step"] == 4 and all(np.isfinite(v).all() for v in state.values())
     assert not (tmp_path / "e.onnx").exists() and not (tmp_path / "r.json").exists()

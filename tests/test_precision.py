@@ -261,7 +261,7 @@ def overflowing_data(rows: int) -> dict[str, np.ndarray]:
 
 
 def test_train_reports_skipped_steps_and_resumes_the_scaler(tmp_path):
-    from onnxgrad.runner import StepGraphTrainer
+    from onnxgrad.training import StepGraphTrainer
     step = scaled_fp32_step()
     data = overflowing_data(24)
     straight = StepGraphTrainer(step, provider="cpu", threads=1)

@@ -1,4 +1,4 @@
-"""`onnxgrad train` and onnxgrad.runner.StepGraphTrainer: loss falls on the shipped models, state stays in
+"""`onnxgrad train` and onnxgrad.training.StepGraphTrainer: loss falls on the shipped models, state stays in
 OrtValues bound with IOBinding, batches follow the seed, a resumed run equals a straight one, export gives a
 runnable model."""
 import json
@@ -15,7 +15,7 @@ from onnx import numpy_helper
 import onnxgrad
 from onnxgrad.cli import main
 from onnxgrad.errors import UsageError
-from onnxgrad.runner import Batches, StepGraphTrainer, read_step_graph
+from onnxgrad.training import Batches, StepExecutor, StepGraphTrainer, read_step_graph
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -68,9 +68,10 @@ def test_state_is_held_in_ortvalues_and_bound_with_iobinding(steps, monkeypatch)
     assert all(isinstance(v, ort.OrtValue) and v.device_name() == "cpu" for v in start.values())
 
     runs, host_copies = [], []
-    real_run = trainer.session.run_with_iobinding
-    monkeypatch.setattr(trainer.session, "run", lambda *a, **k: pytest.fail("a step ran without IOBinding"))
-    monkeypatch.setattr(trainer.session, "run_with_iobinding", lambda io, *a: runs.append(io) or real_run(io, *a))
+    session = trainer.executor.session
+    real_run = session.run_with_iobinding
+    monkeypatch.setattr(session, "run", lambda *a, **k: pytest.fail("a step ran without IOBinding"))
+    monkeypatch.setattr(session, "run_with_iobinding", lambda io, *a: runs.append(io) or real_run(io, *a))
     real_numpy = ort.OrtValue.numpy
     monkeypatch.setattr(ort.OrtValue, "numpy", lambda self: host_copies.append(self) or real_numpy(self))
     batch = {k: v[:8] for k, v in learnable_data("mlp").items()}
@@ -285,3 +286,84 @@ def test_step_graph_contract_is_read_from_metadata(steps):
     assert g.loss == "loss" and g.lr == "lr" and list(g.data) == ["x", "labels"]
     assert g.forward_outputs == ["loss", "logits"] and g.state["step"] == "step.next"
     assert g.initial["step"].dtype == np.int64 and g.initial["lr"] == np.float32(0.01)
+
+
+class CountingExecutor(StepExecutor):
+    """A stand-in for onnxruntime: the state is host arrays, a step adds the batch's mean of x to every
+    parameter and counts in `step`; the loss is a function of the batch and the state. `shards` and `lead` as
+    for one process of a data-parallel job when asked."""
+
+    def __init__(self, graph, shards: int = 1, lead: bool = True):
+        self.graph, self.device, self.shards, self.lead = graph, "cpu", shards, lead
+        self.values = {name: graph.initial[name].copy() for name in graph.state}
+        self.batches, self.lrs, self.counted_from, self.leads_read = [], [], None, 0
+
+    def step(self, feeds):
+        self.batches.append(feeds)
+        shift = np.float32(feeds["x"].mean())
+        for name in self.graph.parameters:
+            self.values[name] = self.values[name] + shift
+        self.values["step"] = self.values["step"] + 1
+        return float(shift + self.values["fc1.bias"].sum())
+
+    @property
+    def state(self):
+        return {name: ort.OrtValue.ortvalue_from_numpy(value) for name, value in self.values.items()}
+
+    def state_dict(self):
+        return {name: value.copy() for name, value in self.values.items()}
+
+    def load_state_dict(self, values, source="the state"):
+        self.values = {name: np.array(values[name]) for name in self.graph.state}
+
+    def parameters(self):
+        return {name: self.values[name].copy() for name in self.graph.parameters}
+
+    def feed_lr(self, value):
+        self.lrs.append(float(value))
+
+    def count_from(self, steps_done):
+        self.counted_from = steps_done
+
+    def from_lead(self, read, what):
+        self.leads_read += 1
+        return read()
+
+
+def test_the_loop_drives_any_executor_through_fit_checkpoint_and_resume(steps, tmp_path):
+    """One loop for every executor: the data-parallel trainer only hands StepGraphTrainer its executor, and an
+    executor that is not onnxruntime's gets the same batches, checkpoints and resume."""
+    from onnxgrad.distributed import DataParallelExecutor, DataParallelTrainer
+    from onnxgrad.training import SessionExecutor
+
+    assert issubclass(DataParallelExecutor, StepExecutor) and issubclass(SessionExecutor, StepExecutor)
+    assert issubclass(DataParallelTrainer, StepGraphTrainer)
+    assert set(vars(DataParallelTrainer)) <= {"__module__", "__qualname__", "__doc__", "__init__"}
+    assert isinstance(StepGraphTrainer(steps["mlp-adam"], provider="cpu").executor, SessionExecutor)
+
+    graph = read_step_graph(steps["mlp-adam"])
+    data = learnable_data("mlp")
+    straight = StepGraphTrainer(CountingExecutor(graph), lr=0.5)
+    whole = straight.fit(data, steps=6, batch=8, seed=3)
+    batches = Batches(data, 8, seed=3)
+    assert straight.executor.lrs == [0.5] and straight.steps_done == 6
+    assert all(np.array_equal(fed["x"], batches[i]["x"]) for i, fed in enumerate(straight.executor.batches))
+
+    first = StepGraphTrainer(CountingExecutor(graph), lr=0.5)
+    first.fit(data, steps=3, batch=8, seed=3, checkpoint=tmp_path / "ck.npz")
+    second = StepGraphTrainer(CountingExecutor(graph))
+    record = second.load_checkpoint(tmp_path / "ck.npz")
+    assert record["step"] == 3 and record["lr"] == 0.5 and second.lr == 0.5
+    assert second.executor.counted_from == 3 and second.executor.leads_read == 1
+    rest = second.fit(data, steps=6, batch=8, seed=3)
+    assert rest.first_step == 4 and rest.losses == whole.losses[3:]
+    assert all(np.array_equal(v, straight.state_dict()[k]) for k, v in second.state_dict().items())
+    exported = {t.name: numpy_helper.to_array(t) for t in second.export().graph.initializer}
+    assert all(np.array_equal(exported[k], v) for k, v in straight.parameters().items())
+
+    # one of two processes, not the lead: the global batch must split in two, and it writes no checkpoint
+    other = StepGraphTrainer(CountingExecutor(graph, shards=2, lead=False))
+    with pytest.raises(UsageError, match="--batch 7: the global batch must split into 2 equal shards"):
+        other.batches(data, 7)
+    other.fit(data, steps=2, batch=8, checkpoint=tmp_path / "other.npz")
+    assert not (tmp_path / "other.npz").exists()
