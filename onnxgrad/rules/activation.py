@@ -12,10 +12,6 @@ import math
 from ..registry import rule
 
 
-def _text(ctx, name: str, default: str) -> str:
-    value = ctx.attr(name, default)
-    return value.decode() if isinstance(value, bytes) else value
-
 
 @rule("Relu", since=13)
 def relu(ctx):
@@ -145,7 +141,7 @@ def erf(ctx):
 def gelu(ctx):
     """none: dx = h + h*erf(x/sqrt2) + (dy*x)*pdf(x), h = dy/2; tanh: dx = h + h*t + (h*x - (h*x)*t*t) * du/dx"""
     x, gy, op = ctx.I(0), ctx.GO(0), ctx.op
-    approximate = _text(ctx, "approximate", "none")
+    approximate = ctx.text_attr("approximate", "none")
     half = op.Mul(gy, ctx.const_like(0.5, x))
     if approximate == "none":
         # erf(x / sqrt 2) and exp(-x*x / 2) depend on x alone.

@@ -23,10 +23,6 @@ from onnx import helper
 from ..registry import rule
 
 
-def _text(ctx, name: str, default: str) -> str:
-    value = ctx.attr(name, default)
-    return value.decode() if isinstance(value, bytes) else value
-
 
 def _spatial(ctx, v, what: str) -> list[int]:
     """The static spatial sizes of an (N, C, D1, ..., Dn) value."""
@@ -43,7 +39,7 @@ def _window(ctx, sizes: list[int], kernel: list[int]):
     n = len(sizes)
     strides = list(ctx.attr("strides", [1] * n))
     dilations = list(ctx.attr("dilations", [1] * n))
-    auto_pad = _text(ctx, "auto_pad", "NOTSET")
+    auto_pad = ctx.text_attr("auto_pad", "NOTSET")
     if auto_pad == "NOTSET":
         pads = list(ctx.attr("pads", [0] * (2 * n)))
         return strides, dilations, pads[:n], pads[n:]
@@ -266,7 +262,7 @@ def _pool_attrs(ctx) -> dict:
     names = ("auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads", "strides")
     attrs = {name: ctx.attr(name) for name in names}
     if attrs["auto_pad"] is not None:
-        attrs["auto_pad"] = _text(ctx, "auto_pad", "NOTSET")
+        attrs["auto_pad"] = ctx.text_attr("auto_pad", "NOTSET")
     return attrs
 
 
@@ -392,7 +388,7 @@ def _transposed_window(ctx, sizes: list[int], kernel: list[int]):
     strides = list(ctx.attr("strides", [1] * n))
     dilations = list(ctx.attr("dilations", [1] * n))
     extra = list(ctx.attr("output_padding", [0] * n))
-    auto_pad = _text(ctx, "auto_pad", "NOTSET")
+    auto_pad = ctx.text_attr("auto_pad", "NOTSET")
     output_shape = ctx.attr("output_shape")
     if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
         raise ctx.unsupported(f"auto_pad={auto_pad}")

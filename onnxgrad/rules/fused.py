@@ -23,39 +23,6 @@ from ..registry import rule
 _LOW_PRECISION = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
-# -- shapes --------------------------------------------------------------------------------------------------
-def _dim(ctx, v, axis: int):
-    """Axis `axis` of v: an int when static, else a 1-element int64 Value (a Shape slice)."""
-    d = v.shape[axis] if v.shape is not None else None
-    if isinstance(d, int):
-        return d
-    axis = axis % ctx.rank(v)
-    return ctx.op.Shape(v, start=axis, end=axis + 1)
-
-
-def _shape(ctx, parts):
-    """A 1-D int64 shape from ints and 1-element Values: a constant when every part is an int."""
-    if all(isinstance(p, int) for p in parts):
-        return ctx.op.ints(parts)
-    return ctx.op.Concat(*[ctx.op.ints([p]) if isinstance(p, int) else p for p in parts], axis=0)
-
-
-def _reshape(ctx, v, parts):
-    """Reshape v; a 0 part copies v's dim at that index (allowzero=0)."""
-    return ctx.op.Reshape(v, _shape(ctx, parts))
-
-
-def _scalar(ctx, d):
-    """A dim (int or 1-element Value) as an int64 scalar."""
-    if isinstance(d, int):
-        return ctx.op.const(np.int64(d), TensorProto.INT64)
-    return ctx.op.Squeeze(d, ctx.op.ints([0]))
-
-
-def _cast(ctx, v, from_type: int, to_type: int):
-    return v if v is None or from_type == to_type else ctx.op.Cast(v, to=to_type)
-
-
 # -- Attention -----------------------------------------------------------------------------------------------
 class _Heads:
     """How an Attention node lays out its operands, and the Einsum subscripts that read them in place.
@@ -106,23 +73,23 @@ class _Heads:
         ctx = self.ctx
         if self.rank == 3:
             heads = [self.hkv, self.group] if self.group > 1 else [self.hq]
-            return _reshape(ctx, v, [0, 0, *heads, -1])
+            return ctx.reshape(v, [0, 0, *heads, -1])
         if self.group == 1:
             return v
-        return _reshape(ctx, v, [0, self.hkv, self.group, _dim(ctx, like, 2), -1])
+        return ctx.reshape(v, [0, self.hkv, self.group, ctx.dim(like, 2), -1])
 
     def q_unview(self, v, like):
         """A tensor in the layout of q_sub back in the input layout of `like`."""
         ctx = self.ctx
         if self.rank == 3:
-            return _reshape(ctx, v, [0, 0, -1])
+            return ctx.reshape(v, [0, 0, -1])
         if self.group == 1:
             return v
-        return _reshape(ctx, v, [0, self.hq, _dim(ctx, like, 2), -1])
+        return ctx.reshape(v, [0, self.hq, ctx.dim(like, 2), -1])
 
     def k_view(self, v):
         """A 3-D K or V viewed as [B, Skv, H, D]; 4-D ones as they are."""
-        return v if self.rank == 4 else _reshape(self.ctx, v, [0, 0, self.hkv, -1])
+        return v if self.rank == 4 else self.ctx.reshape(v, [0, 0, self.hkv, -1])
 
     def k_as_4d(self, v):
         """K or V as [B, H, Skv, D], the layout of past and present key/value."""
@@ -135,21 +102,21 @@ class _Heads:
             return g
         if self.k_sub == "bhkd":
             g = ctx.op.Transpose(g, perm=[0, 2, 1, 3])
-        return _reshape(ctx, g, [0, 0, -1])
+        return ctx.reshape(g, [0, 0, -1])
 
     def scores_4d(self, s, q):
         """[B, h, g, Sq, Skv] scores (from an Einsum) in the layout the scores are worked on."""
         if not self.flat or self.group == 1:
             return s
-        sq = _dim(self.ctx, q, 2 if self.rank == 4 else 1)
-        return _reshape(self.ctx, s, [0, self.hq, sq, -1])
+        sq = self.ctx.dim(q, 2 if self.rank == 4 else 1)
+        return self.ctx.reshape(s, [0, self.hq, sq, -1])
 
     def scores_grouped(self, s, q):
         """Scores in the layout they are worked on as [B, h, g, Sq, Skv], for an Einsum."""
         if not self.flat or self.group == 1:
             return s
-        sq = _dim(self.ctx, q, 2 if self.rank == 4 else 1)
-        return _reshape(self.ctx, s, [0, self.hkv, self.group, sq, -1])
+        sq = self.ctx.dim(q, 2 if self.rank == 4 else 1)
+        return self.ctx.reshape(s, [0, self.hkv, self.group, sq, -1])
 
     def einsum(self, a_sub: str, b_sub: str, out_sub: str, a, b):
         return self.ctx.op.Einsum(a, b, equation=f"{a_sub},{b_sub}->{out_sub}")
@@ -161,8 +128,8 @@ def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
     no key is allowed (their probabilities are 0, as the op defines; None where no row can be)."""
     op = ctx.op
     mask, nonpad = ctx.I(3), ctx.I(6) if ctx.num_inputs > 6 else None
-    sq = _dim(ctx, q, 2 if heads.rank == 4 else 1)
-    skv = _dim(ctx, kv_total, 2 if heads.rank == 4 or heads.cached else 1)
+    sq = ctx.dim(q, 2 if heads.rank == 4 else 1)
+    skv = ctx.dim(kv_total, 2 if heads.rank == 4 or heads.cached else 1)
     allowed, float_mask = [], None
     if mask is not None:
         padded = mask
@@ -170,8 +137,8 @@ def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
         if not (isinstance(m_len, int) and isinstance(skv, int) and m_len == skv):
             # a shorter last axis is padded to Skv with "not allowed" (-inf for a float mask)
             width = skv - m_len if isinstance(m_len, int) and isinstance(skv, int) else \
-                op.Sub(_shape(ctx, [skv]), op.Shape(mask, start=-1))
-            pads = _shape(ctx, [0] * (ctx.rank(mask) * 2 - 1) + [width])
+                op.Sub(ctx.make_shape([skv]), op.Shape(mask, start=-1))
+            pads = ctx.make_shape([0] * (ctx.rank(mask) * 2 - 1) + [width])
             if mask.elem_type == TensorProto.BOOL:
                 padded = op.Cast(op.Pad(op.Cast(mask, to=TensorProto.INT32), pads,
                                         op.const(np.int32(0), TensorProto.INT32)), to=TensorProto.BOOL)
@@ -186,15 +153,15 @@ def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
     left, right = ctx.attr("left_window_size", -1), ctx.attr("right_window_size", -1)
     if nonpad is not None:
         # keys past each sample's valid length are padding; the causal frontier is aligned to that length
-        keys = op.Range(_scalar(ctx, 0), _scalar(ctx, skv), _scalar(ctx, 1))
+        keys = op.Range(ctx.int64(0), ctx.dim_scalar(skv), ctx.int64(1))
         lengths = op.Reshape(nonpad, op.ints([-1] + [1] * (heads.s_rank - 1)))
         allowed.append(op.Less(keys, lengths))
-        offset = op.Sub(lengths, op.Reshape(_scalar(ctx, sq), op.ints([1])))
+        offset = op.Sub(lengths, op.Reshape(ctx.dim_scalar(sq), op.ints([1])))
     else:
-        offset = None if past_len is None else op.Reshape(_scalar(ctx, past_len), op.ints([1]))
+        offset = None if past_len is None else op.Reshape(ctx.dim_scalar(past_len), op.ints([1]))
     if causal or left >= 0 or right >= 0:
-        rows = op.Unsqueeze(op.Range(_scalar(ctx, 0), _scalar(ctx, sq), _scalar(ctx, 1)), op.ints([1]))
-        cols = op.Range(_scalar(ctx, 0), _scalar(ctx, skv), _scalar(ctx, 1))
+        rows = op.Unsqueeze(op.Range(ctx.int64(0), ctx.dim_scalar(sq), ctx.int64(1)), op.ints([1]))
+        cols = op.Range(ctx.int64(0), ctx.dim_scalar(skv), ctx.int64(1))
         position = rows if offset is None else op.Add(rows, offset)   # the query's absolute position
         ahead = op.Sub(cols, position)                                  # key index minus query position
         if causal:
@@ -248,14 +215,14 @@ def attention(ctx):
             return present
         return op.Concat(ctx.I(i_past), heads.k_as_4d(ctx.I(i_in)), axis=2)
     k_total, v_total = total(1, 4, 1), total(2, 5, 2)
-    past_len = _dim(ctx, past_k, 2) if past_k is not None else None
+    past_len = ctx.dim(past_k, 2) if past_k is not None else None
 
     # Q through the gradient: Concat with dY and Split again (see the module docstring)
     gy = ctx.GO_or_zeros(0)
     y = ctx.O(0)
     tied = op.Concat(q, gy, axis=-1)
-    q_last, gy_last = _dim(ctx, q, -1), _dim(ctx, y, -1)
-    q_tied, gy_tied = op.Split(tied, _shape(ctx, [q_last, gy_last]), axis=-1, outputs=2)
+    q_last, gy_last = ctx.dim(q, -1), ctx.dim(y, -1)
+    q_tied, gy_tied = op.Split(tied, ctx.make_shape([q_last, gy_last]), axis=-1, outputs=2)
     qs = op.Mul(heads.q_view(q_tied, q), ctx.const_like(scale, q))      # scale * Q, in the q_sub layout
     gyv = heads.q_view(gy_tied, q)
     sub_q, sub_k, sub_s = heads.q_sub, heads.k_sub, heads.s_sub
@@ -269,7 +236,7 @@ def attention(ctx):
     logits = capped if capped is not None else scores
     allowed, float_mask, alive = _attention_allowed(ctx, heads, q, k_total, past_len)
     if float_mask is not None:
-        logits = op.Add(logits, _cast(ctx, float_mask, ctx.elem_type(mask), t))
+        logits = op.Add(logits, ctx.cast(float_mask, ctx.elem_type(mask), t))
     if allowed is not None:
         logits = op.Where(allowed, logits, ctx.const_like(-np.inf, q))
     precision = ctx.attr("softmax_precision", None)
@@ -298,10 +265,10 @@ def attention(ctx):
     if ctx.needs(3):
         g_mask = g_logits
         m_len = mask.shape[-1] if mask.shape else None
-        skv = _dim(ctx, k_total, 2 if heads.rank == 4 or heads.cached else 1)
+        skv = ctx.dim(k_total, 2 if heads.rank == 4 or heads.cached else 1)
         if not (isinstance(m_len, int) and isinstance(skv, int) and m_len == skv):
             g_mask = op.Slice(g_mask, op.ints([0]), op.Shape(mask, start=-1), op.ints([-1]))
-        g_mask = _cast(ctx, unbroadcast(ctx, g_mask, mask, _sized(g_mask, heads.s_rank)), t, ctx.elem_type(mask))
+        g_mask = ctx.cast(unbroadcast(ctx, g_mask, mask, _sized(g_mask, heads.s_rank)), t, ctx.elem_type(mask))
     g_scores = g_logits
     if g_qk is not None and mode == 1:
         g_scores = op.Add(g_scores, g_qk)
@@ -341,10 +308,10 @@ def _split_cache(ctx, heads: _Heads, g_total, i_in: int, i_past: int):
     x, past = ctx.I(i_in), ctx.I(i_past)
     if past is None:
         return heads.k_unview(g_total), None
-    new_len = _dim(ctx, x, 2 if heads.rank == 4 else 1)
-    g_past, g_new = op.Split(g_total, _shape(ctx, [_dim(ctx, past, 2), new_len]), axis=2, outputs=2)
+    new_len = ctx.dim(x, 2 if heads.rank == 4 else 1)
+    g_past, g_new = op.Split(g_total, ctx.make_shape([ctx.dim(past, 2), new_len]), axis=2, outputs=2)
     if heads.rank == 3:
-        g_new = _reshape(ctx, op.Transpose(g_new, perm=[0, 2, 1, 3]), [0, 0, -1])
+        g_new = ctx.reshape(op.Transpose(g_new, perm=[0, 2, 1, 3]), [0, 0, -1])
     return g_new, g_past
 
 
@@ -360,19 +327,19 @@ def rms_normalization(ctx):
     x_type = ctx.elem_type(x)
     stash = ctx.attr("stash_type", TensorProto.FLOAT)
     work = TensorProto.FLOAT if stash == TensorProto.FLOAT and x_type in _LOW_PRECISION else x_type
-    xw = _cast(ctx, x, x_type, work)
-    gy = _cast(ctx, ctx.GO(0), ctx.elem_type(y), work)
+    xw = ctx.cast(x, x_type, work)
+    gy = ctx.cast(ctx.GO(0), ctx.elem_type(y), work)
     # r from a sum of squares: a per-row statistic, with no input-sized intermediate
     count = _count(ctx, x, work)
     r = op.Reciprocal(op.Sqrt(op.Add(op.Div(op.ReduceSumSquare(xw, axes, keepdims=1), count),
                                      op.const(ctx.attr("epsilon", 1e-5), work))))
     gx = gs = None
     if ctx.needs(0):
-        g = op.Mul(gy, _cast(ctx, scale, ctx.elem_type(scale), work))
+        g = op.Mul(gy, ctx.cast(scale, ctx.elem_type(scale), work))
         k = op.Mul(op.Mul(op.Mul(op.Div(op.ReduceSum(op.Mul(g, xw), axes, keepdims=1), count), r), r), r)
-        gx = _cast(ctx, op.Sub(op.Mul(g, r), op.Mul(xw, k)), work, x_type)
+        gx = ctx.cast(op.Sub(op.Mul(g, r), op.Mul(xw, k)), work, x_type)
     if ctx.needs(1):
-        gs = ctx.unbroadcast(_cast(ctx, op.Mul(op.Mul(gy, xw), r), work, ctx.elem_type(scale)), scale)
+        gs = ctx.unbroadcast(ctx.cast(op.Mul(op.Mul(gy, xw), r), work, ctx.elem_type(scale)), scale)
     return [gx, gs]
 
 
@@ -429,7 +396,7 @@ def rotary_embedding(ctx):
     if ctx.needs(1) or ctx.needs(2):
         # per-element products in the layout [B, S, H, D] (4-D X is [B, H, S, D]), then the pair halves
         head_axis = 2 if rank == 3 else 1
-        as_heads = (lambda v: _reshape(ctx, v, [0, 0, num_heads, -1])) if rank == 3 else (lambda v: v)
+        as_heads = (lambda v: ctx.reshape(v, [0, 0, num_heads, -1])) if rank == 3 else (lambda v: v)
         half = rotary // 2
 
         def halves(v):
@@ -460,7 +427,8 @@ def _rotary_cache_grad(ctx, per_position, cache, positions, half: int):
         return per_position
     op = ctx.op
     rows = op.Reshape(per_position, op.ints([-1, half]))
-    summed = ctx.scatter_add_rows(_shape(ctx, [_dim(ctx, cache, 0)]), op.Reshape(positions, op.ints([-1])), rows, cache)
+    summed = ctx.scatter_add_rows(ctx.make_shape([ctx.dim(cache, 0)]), op.Reshape(positions, op.ints([-1])), rows,
+                                  cache)
     return ctx.reshape_like(summed, cache)
 
 
@@ -496,13 +464,13 @@ def tensor_scatter(ctx):
         # the place of update[b, ..., s, ...] in the cache: write_indices[b] + s (modulo the cache length)
         along = [1] * rank
         along[axis] = -1
-        steps = op.Reshape(op.Range(_scalar(ctx, 0), _scalar(ctx, _dim(ctx, update, axis)), _scalar(ctx, 1)),
+        steps = op.Reshape(op.Range(ctx.int64(0), ctx.dim_scalar(ctx.dim(update, axis)), ctx.int64(1)),
                            op.ints(along))
         places = steps
         if where is not None:
             places = op.Add(op.Reshape(where, op.ints([-1] + [1] * (rank - 1))), steps)
         if mode == "circular":
-            places = op.Mod(places, op.Reshape(_scalar(ctx, _dim(ctx, past, axis)), op.ints([1])))
+            places = op.Mod(places, op.Reshape(ctx.dim_scalar(ctx.dim(past, axis)), op.ints([1])))
         gu = op.GatherElements(gy, op.Expand(places, ctx.shape_of(update)), axis=axis)
     return [gp, gu, None][:ctx.num_inputs]
 
@@ -538,17 +506,17 @@ def causal_conv_with_state(ctx):
     k = w.shape[-1] if w.shape else None
     if not isinstance(k, int):
         raise ctx.unsupported("the kernel size (the last axis of weight) must be static")
-    channels = _dim(ctx, w, 0)
+    channels = ctx.dim(w, 0)
     activation = ctx.attr("activation", "none")
     activation = activation.decode() if isinstance(activation, bytes) else activation
     gy = ctx.GO_or_zeros(0)
     if past is None:
         zero = helper.make_tensor("", ctx.elem_type(x), [1], [0])
-        past = op.ConstantOfShape(_shape(ctx, [_dim(ctx, x, 0), _dim(ctx, x, 1), k - 1]), value=zero)
+        past = op.ConstantOfShape(ctx.make_shape([ctx.dim(x, 0), ctx.dim(x, 1), k - 1]), value=zero)
     # [past, x] through the gradient (as Attention's Q): Concat with dy and Split again, so the recomputed
     # pre-activation and the weight gradient's input cannot run during the forward pass
-    length = _dim(ctx, x, 2)
-    padded, gy = op.Split(op.Concat(past, x, gy, axis=2), _shape(ctx, [k - 1 + length if isinstance(length, int)
+    length = ctx.dim(x, 2)
+    padded, gy = op.Split(op.Concat(past, x, gy, axis=2), ctx.make_shape([k - 1 + length if isinstance(length, int)
                                                                      else op.Add(length, op.ints([k - 1])),
                                                                      length]), axis=2, outputs=2)
     gz = gy
@@ -565,15 +533,15 @@ def causal_conv_with_state(ctx):
     g_padded = op.ConvTranspose(gz, w, group=channels)
     g_present = ctx.GO(1)
     if g_present is not None:   # present is the last k-1 positions of [past, x]
-        g_padded = op.Add(g_padded, op.Pad(g_present, _shape(ctx, [0, 0, length, 0, 0, 0])))
+        g_padded = op.Add(g_padded, op.Pad(g_present, ctx.make_shape([0, 0, length, 0, 0, 0])))
     gx = gw = gb = None
     if ctx.needs(0):
-        _, gx = op.Split(g_padded, _shape(ctx, [k - 1, length]), axis=2, outputs=2)
+        _, gx = op.Split(g_padded, ctx.make_shape([k - 1, length]), axis=2, outputs=2)
     if ctx.needs(1):
         # batch folded into channels: out[0, c, j] = sum_b sum_t p[b, c, t + j] * dz[b, c, t]
-        p_cb = _reshape(ctx, op.Transpose(padded, perm=[1, 0, 2]), [1, -1, 0])
+        p_cb = ctx.reshape(op.Transpose(padded, perm=[1, 0, 2]), [1, -1, 0])
         dz_cb = op.Transpose(gz, perm=[1, 0, 2])
-        gw = _reshape(ctx, op.Conv(p_cb, dz_cb, group=channels), [channels, 1, k])
+        gw = ctx.reshape(op.Conv(p_cb, dz_cb, group=channels), [channels, 1, k])
     if ctx.needs(2):
         gb = op.ReduceSum(gz, op.ints([0, 2]), keepdims=0)
     return [gx, gw, gb, None][:ctx.num_inputs]
