@@ -16,17 +16,15 @@ reason, so the error names the form and what to do. Scan and Loop have their rul
 from __future__ import annotations
 
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from .. import unroll
 from ..builder import Builder
 from ..errors import UnsupportedError
 from ..gradient import differentiate, reaching_heads
-from ..ir import Graph, Node, Value, attach_implicit_inputs, from_model, names_defined_in, outer_references
+from ..ir import Value, attach_implicit_inputs, names_defined_in
 from ..registry import rule
-
-RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
-                        "Multinomial"})
+from .subgraphs import as_graph, draws_random, needed_nodes, renamed_copy
 
 
 @rule("If", since=13, limits="branches are recomputed by the backward If, so no random op may feed the "
@@ -55,7 +53,7 @@ def _branch_backward(ctx, attr_name: str, wanted: list[Value], out_grads: list[V
     branch = node.attr(attr_name)
     # the recomputed values get new names: sibling subgraphs defining one name trip onnx's data propagation
     renamed = {name: names.fresh(name) for name in sorted(names_defined_in(branch))}
-    sub = _as_graph(_renamed(branch, renamed), outer)
+    sub = as_graph(renamed_copy(branch, renamed), outer)
     heads, seeds = [], []
     for out, g in zip(sub.outputs, out_grads):
         if g is not None and (out.elem_type is None or out.is_float):
@@ -81,9 +79,9 @@ def _branch_backward(ctx, attr_name: str, wanted: list[Value], out_grads: list[V
             g = op.Identity(g)
         outputs.append(g)
 
-    kept = _needed_nodes(sub, outputs)
+    kept = needed_nodes(sub, outputs)
     for n in kept:
-        if _draws_random(n, [sub, outer]):
+        if draws_random(n, [sub, outer]):
             raise UnsupportedError(
                 f"no gradient for If node {node.name!r}: {n.op_type} node {n.name!r} {where} draws random "
                 f"numbers, and the backward branch recomputes the branch, so it would draw different ones; "
@@ -91,79 +89,6 @@ def _branch_backward(ctx, attr_name: str, wanted: list[Value], out_grads: list[V
     infos = [Value(g.name, v.elem_type, v.shape).value_info() for g, v in zip(outputs, wanted)]
     return helper.make_graph([n.to_proto() for n in kept], f"{branch.name or attr_name}_grad", [], infos,
                              list(sub.initializers.values()), sparse_initializer=sub.sparse_initializers)
-
-
-def _as_graph(branch: onnx.GraphProto, outer: Graph) -> Graph:
-    """A branch as a Graph of its own: the outer values it reads become its inputs (with their types)."""
-    proto = onnx.GraphProto()
-    proto.CopyFrom(branch)
-    for name in outer_references(branch):
-        v = outer.values.get(name)
-        proto.input.append(v.value_info() if v is not None else helper.make_empty_tensor_value_info(name))
-    model = helper.make_model(proto, opset_imports=[helper.make_opsetid(d, v) for d, v in outer.opsets.items()])
-    return from_model(model)
-
-
-def _renamed(g: onnx.GraphProto, mapping: dict[str, str]) -> onnx.GraphProto:
-    """A copy of a graph with the names it defines (nested graphs included) replaced; references follow."""
-    out = onnx.GraphProto()
-    out.CopyFrom(g)
-
-    def rename(graph: onnx.GraphProto) -> None:
-        for v in [*graph.input, *graph.output, *graph.value_info, *graph.initializer]:
-            v.name = mapping.get(v.name, v.name)
-        for n in graph.node:
-            n.input[:] = [mapping.get(x, x) for x in n.input]
-            n.output[:] = [mapping.get(x, x) for x in n.output]
-            for a in n.attribute:
-                for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs):
-                    rename(sub)
-    rename(out)
-    return out
-
-
-def _needed_nodes(graph: Graph, outputs: list[Value]) -> list[Node]:
-    """The nodes the outputs depend on, in graph order (the forward nodes the backward does not read go)."""
-    needed = {id(v) for v in outputs}
-    kept = []
-    for n in reversed(graph.nodes):
-        if any(id(o) in needed for o in n.outputs):
-            kept.append(n)
-            needed.update(id(v) for v in n.all_inputs if v is not None)
-    return kept[::-1]
-
-
-def _draws_random(node: Node, graphs: list[Graph]) -> bool:
-    if node.op_type in RANDOM_OPS:
-        return True
-    if node.op_type == "Dropout":
-        training = node.input(2)
-        return training is not None and _constant(training, graphs) is not False
-    return any(_proto_draws_random(g) for g in node.subgraphs())
-
-
-def _proto_draws_random(g: onnx.GraphProto) -> bool:
-    """Conservative, for nested subgraphs: any Random* op, or a Dropout given a training_mode input."""
-    for n in g.node:
-        if n.op_type in RANDOM_OPS or (n.op_type == "Dropout" and len(n.input) > 2 and n.input[2]):
-            return True
-        if any(_proto_draws_random(s) for a in n.attribute for s in ([a.g] if a.HasField("g") else a.graphs)):
-            return True
-    return False
-
-
-def _constant(v: Value, graphs: list[Graph]):
-    """A boolean scalar's value when an initializer or Constant holds it (in any of the graphs), else None."""
-    for graph in graphs:
-        value = graph.values.get(v.name)
-        if value is None:
-            continue
-        if value.name in graph.initializers:
-            return bool(numpy_helper.to_array(graph.initializers[value.name]).reshape(-1)[0])
-        p = value.producer
-        if p is not None and p.op_type == "Constant" and p.has_attr("value"):
-            return bool(numpy_helper.to_array(p.attr("value")).reshape(-1)[0])
-    return None
 
 
 # -- forms the pre-pass declined ----------------------------------------------------------------------------------
