@@ -23,7 +23,6 @@ from onnx import TensorProto, helper
 from ..registry import rule
 
 
-
 def _others_none(ctx, grads: dict) -> list:
     """One entry per forward input: the gradients given by index, None elsewhere."""
     return [grads.get(i) for i in range(ctx.num_inputs)]
@@ -329,3 +328,32 @@ def scatter_elements_13(ctx):
 def scatter_elements_16(ctx):
     """none: d_data = dy zeroed at indices; add: d_data = dy; both: d_updates = gather_elements(dy, indices)"""
     return _scatter_elements_grad(ctx)
+
+
+@rule("TensorScatter", since=24, wrt=(0, 1))
+def tensor_scatter(ctx):
+    """y = past with update written at write_indices[b] + s along axis: dpast = dy with those places 0
+    (a TensorScatter of zeros), dupdate = dy at those places (GatherElements)"""
+    op = ctx.op
+    past, update, where = ctx.I(0), ctx.I(1), ctx.I(2)
+    gy = ctx.GO(0)
+    rank = ctx.rank(past)
+    axis = ctx.normalize_axis(ctx.attr("axis", -2), rank)
+    mode = ctx.attr("mode", "linear")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    gp = gu = None
+    if ctx.needs(0):
+        gp = op.TensorScatter(gy, ctx.zeros_like(update), where, axis=axis, mode=mode)
+    if ctx.needs(1):
+        # the place of update[b, ..., s, ...] in the cache: write_indices[b] + s (modulo the cache length)
+        along = [1] * rank
+        along[axis] = -1
+        steps = op.Reshape(op.Range(ctx.int64(0), ctx.dim_scalar(ctx.dim(update, axis)), ctx.int64(1)),
+                           op.ints(along))
+        places = steps
+        if where is not None:
+            places = op.Add(op.Reshape(where, op.ints([-1] + [1] * (rank - 1))), steps)
+        if mode == "circular":
+            places = op.Mod(places, op.Reshape(ctx.dim_scalar(ctx.dim(past, axis)), op.ints([1])))
+        gu = op.GatherElements(gy, op.Expand(places, ctx.shape_of(update)), axis=axis)
+    return [gp, gu, None][:ctx.num_inputs]

@@ -13,7 +13,6 @@ from onnx import TensorProto
 from ..registry import rule
 
 
-
 @rule("Softmax", since=13)
 def softmax(ctx):
     """dx = dy*y - sum(dy*y, axis) * y"""

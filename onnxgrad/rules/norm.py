@@ -1,4 +1,4 @@
-"""Gradient rules: normalization (layer, batch in inference form, instance, group) and dropout.
+"""Gradient rules: normalization (layer, batch in inference form, instance, group, RMS) and dropout.
 
 The normalizations share one input gradient. With xhat = (x - mean) * r, r = 1 / sqrt(var + eps), and g the
 gradient reaching xhat (dy times the scale), dx = r * (g - mean(g)) - r^3 * mean(g * (x - mean)) * (x - mean).
@@ -7,6 +7,7 @@ form PyTorch's CPU kernel uses, and dscale's dy*xhat as (dy*x - dy*mean)*r, so e
 the gradient and none keeps a centred copy of x alive. The price is cancellation when |mean| >> std (relative
 error about eps * |mean| / std), as in PyTorch. The statistics (mean and r, one value per normalized row) are
 read from the forward node's optional outputs or recomputed from x: the only forward-only results, and small.
+RMSNormalization (opset 23) is the same form without the mean: dx = g*r - x*k with k = r^3 * mean(g*x).
 """
 from __future__ import annotations
 
@@ -208,6 +209,42 @@ def group_normalization(ctx):
     if ctx.needs(2):
         gb = ctx.cast(op.ReduceSum(gy, channel_axes, keepdims=0), x_type, ctx.elem_type(ctx.I(2)))
     return [gx, gs, gb]
+
+
+@rule("RMSNormalization", since=23)
+def rms_normalization(ctx):
+    """y = x * r * scale, r = 1/sqrt(mean(x^2) + eps): dx = g*r - x * r^3 * mean(g*x) with g = dy*scale,
+    dscale = sum(dy * x * r)"""
+    op = ctx.op
+    x, scale, y = ctx.I(0), ctx.I(1), ctx.O(0)
+    rank = ctx.rank(x)
+    axes = op.ints(range(ctx.normalize_axis(ctx.attr("axis", -1), rank), rank))
+    x_type = ctx.elem_type(x)
+    work = _work_type(ctx, x, ctx.attr("stash_type", TensorProto.FLOAT))
+    xw = ctx.cast(x, x_type, work)
+    gy = ctx.cast(ctx.GO(0), ctx.elem_type(y), work)
+    # r from a sum of squares: a per-row statistic, with no input-sized intermediate
+    count = _row_count(ctx, x, work)
+    r = op.Reciprocal(op.Sqrt(op.Add(op.Div(op.ReduceSumSquare(xw, axes, keepdims=1), count),
+                                     op.const(ctx.attr("epsilon", 1e-5), work))))
+    gx = gs = None
+    if ctx.needs(0):
+        g = op.Mul(gy, ctx.cast(scale, ctx.elem_type(scale), work))
+        k = op.Mul(op.Mul(op.Mul(op.Div(op.ReduceSum(op.Mul(g, xw), axes, keepdims=1), count), r), r), r)
+        gx = ctx.cast(op.Sub(op.Mul(g, r), op.Mul(xw, k)), work, x_type)
+    if ctx.needs(1):
+        gs = ctx.unbroadcast(ctx.cast(op.Mul(op.Mul(gy, xw), r), work, ctx.elem_type(scale)), scale)
+    return [gx, gs]
+
+
+def _row_count(ctx, x, elem_type):
+    """Elements per normalized row, from the axis attribute (RMSNormalization has no statistic output to divide
+    by): static where the shape is, else the product of Shape(x)[axis:]."""
+    first = ctx.normalize_axis(ctx.attr("axis", -1), ctx.rank(x))
+    dims = x.shape[first:]
+    if all(isinstance(d, int) for d in dims):
+        return ctx.op.const(float(np.prod(dims)), elem_type)
+    return ctx.op.Cast(ctx.op.ReduceProd(ctx.op.Shape(x, start=first), keepdims=0), to=elem_type)
 
 
 @rule("Dropout", since=13, wrt=(0,), limits="training mode uses the mask output (added when absent)")

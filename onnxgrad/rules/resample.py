@@ -14,7 +14,6 @@ import numpy as np
 from ..registry import rule
 
 
-
 # -- Resize ----------------------------------------------------------------------------------------------------
 def _source_coordinates(ctx, coord: str, size: int, out: int, scale: float, roi) -> np.ndarray:
     """Where each output position along one axis reads the input (x_original of the ONNX spec)."""

@@ -1,5 +1,5 @@
-"""Gradient rules: the ops of opsets 23 and newer (Attention, RMSNormalization, RotaryEmbedding; Swish and
-TensorScatter at 24; CausalConvWithState at 27; SwiGLU at 28).
+"""Gradient rules: attention (Attention at opset 23, with nonpad_kv_seqlen at 24 and sliding windows at 25) and
+RotaryEmbedding (23).
 
 Attention keeps its fused forward kernel and gets a memory-efficient backward: the probabilities P (one
 [B, H, Sq, Skv] tensor per layer) are not kept from the forward pass but recomputed from Q and K inside the
@@ -9,21 +9,22 @@ so the score product and everything after it depend on dY and no execution order
 forward pass, where P would stay alive until the backward. The products are Einsums: they read K and V in their
 own layout (no transposed copies) and sum the query heads of a grouped-query layer into their shared key and
 value head (`bhgqk,bhgqd->bhkd`).
+
+RotaryEmbedding's input gradient is the same op rotating the other way; its cos and sin caches get the
+per-position sums of the pair products, added into the cache rows the positions read.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from ..builder import unbroadcast
 from ..registry import rule
 
-_LOW_PRECISION = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
-
-# -- Attention -----------------------------------------------------------------------------------------------
+# -- Attention -------------------------------------------------------------------------------------------------------
 class _Heads:
     """How an Attention node lays out its operands, and the Einsum subscripts that read them in place.
 
@@ -315,44 +316,7 @@ def _split_cache(ctx, heads: _Heads, g_total, i_in: int, i_past: int):
     return g_new, g_past
 
 
-# -- RMSNormalization ----------------------------------------------------------------------------------------
-@rule("RMSNormalization", since=23)
-def rms_normalization(ctx):
-    """y = x * r * scale, r = 1/sqrt(mean(x^2) + eps): dx = g*r - x * r^3 * mean(g*x) with g = dy*scale,
-    dscale = sum(dy * x * r)"""
-    op = ctx.op
-    x, scale, y = ctx.I(0), ctx.I(1), ctx.O(0)
-    rank = ctx.rank(x)
-    axes = op.ints(range(ctx.normalize_axis(ctx.attr("axis", -1), rank), rank))
-    x_type = ctx.elem_type(x)
-    stash = ctx.attr("stash_type", TensorProto.FLOAT)
-    work = TensorProto.FLOAT if stash == TensorProto.FLOAT and x_type in _LOW_PRECISION else x_type
-    xw = ctx.cast(x, x_type, work)
-    gy = ctx.cast(ctx.GO(0), ctx.elem_type(y), work)
-    # r from a sum of squares: a per-row statistic, with no input-sized intermediate
-    count = _count(ctx, x, work)
-    r = op.Reciprocal(op.Sqrt(op.Add(op.Div(op.ReduceSumSquare(xw, axes, keepdims=1), count),
-                                     op.const(ctx.attr("epsilon", 1e-5), work))))
-    gx = gs = None
-    if ctx.needs(0):
-        g = op.Mul(gy, ctx.cast(scale, ctx.elem_type(scale), work))
-        k = op.Mul(op.Mul(op.Mul(op.Div(op.ReduceSum(op.Mul(g, xw), axes, keepdims=1), count), r), r), r)
-        gx = ctx.cast(op.Sub(op.Mul(g, r), op.Mul(xw, k)), work, x_type)
-    if ctx.needs(1):
-        gs = ctx.unbroadcast(ctx.cast(op.Mul(op.Mul(gy, xw), r), work, ctx.elem_type(scale)), scale)
-    return [gx, gs]
-
-
-def _count(ctx, x, elem_type):
-    """Elements per normalized row: static where the shape is, else the product of Shape(x)[axis:]."""
-    first = ctx.normalize_axis(ctx.attr("axis", -1), ctx.rank(x))
-    dims = x.shape[first:]
-    if all(isinstance(d, int) for d in dims):
-        return ctx.op.const(float(np.prod(dims)), elem_type)
-    return ctx.op.Cast(ctx.op.ReduceProd(ctx.op.Shape(x, start=first), keepdims=0), to=elem_type)
-
-
-# -- RotaryEmbedding -----------------------------------------------------------------------------------------
+# -- RotaryEmbedding -------------------------------------------------------------------------------------------------
 def _rotary_signs(ctx, x, head_size: int, rotary: int, interleaved: bool, heads: int):
     """+1/-1 along the last axis: -1 on the second element of each rotated pair. Negating the second element
     before and after a rotation by theta rotates by -theta (F R(theta) F = R(-theta), F = diag(1, -1))."""
@@ -430,118 +394,3 @@ def _rotary_cache_grad(ctx, per_position, cache, positions, half: int):
     summed = ctx.scatter_add_rows(ctx.make_shape([ctx.dim(cache, 0)]), op.Reshape(positions, op.ints([-1])), rows,
                                   cache)
     return ctx.reshape_like(summed, cache)
-
-
-# -- Swish (opset 24) ----------------------------------------------------------------------------------------
-@rule("Swish", since=24)
-def swish(ctx):
-    """y = x * s, s = sigmoid(alpha*x): dx = dy*s + alpha*(dy*y)*(1 - s)"""
-    x, y, gy, op = ctx.I(0), ctx.O(0), ctx.GO(0), ctx.op
-    alpha = ctx.attr("alpha", 1.0)
-    # s is a function of x alone (as Softplus's sigmoid): the one forward-only node
-    s = op.Sigmoid(op.Mul(x, ctx.const_like(alpha, x)) if alpha != 1.0 else x)
-    gys = op.Mul(gy, s)
-    gyy = op.Mul(op.Mul(gy, y), ctx.const_like(alpha, x)) if alpha != 1.0 else op.Mul(gy, y)
-    return [op.Add(gys, op.Sub(gyy, op.Mul(gyy, s)))]
-
-
-# -- TensorScatter (opset 24) --------------------------------------------------------------------------------
-@rule("TensorScatter", since=24, wrt=(0, 1))
-def tensor_scatter(ctx):
-    """y = past with update written at write_indices[b] + s along axis: dpast = dy with those places 0
-    (a TensorScatter of zeros), dupdate = dy at those places (GatherElements)"""
-    op = ctx.op
-    past, update, where = ctx.I(0), ctx.I(1), ctx.I(2)
-    gy = ctx.GO(0)
-    rank = ctx.rank(past)
-    axis = ctx.normalize_axis(ctx.attr("axis", -2), rank)
-    mode = ctx.attr("mode", "linear")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
-    gp = gu = None
-    if ctx.needs(0):
-        gp = op.TensorScatter(gy, ctx.zeros_like(update), where, axis=axis, mode=mode)
-    if ctx.needs(1):
-        # the place of update[b, ..., s, ...] in the cache: write_indices[b] + s (modulo the cache length)
-        along = [1] * rank
-        along[axis] = -1
-        steps = op.Reshape(op.Range(ctx.int64(0), ctx.dim_scalar(ctx.dim(update, axis)), ctx.int64(1)),
-                           op.ints(along))
-        places = steps
-        if where is not None:
-            places = op.Add(op.Reshape(where, op.ints([-1] + [1] * (rank - 1))), steps)
-        if mode == "circular":
-            places = op.Mod(places, op.Reshape(ctx.dim_scalar(ctx.dim(past, axis)), op.ints([1])))
-        gu = op.GatherElements(gy, op.Expand(places, ctx.shape_of(update)), axis=axis)
-    return [gp, gu, None][:ctx.num_inputs]
-
-
-# -- SwiGLU (opset 28) ---------------------------------------------------------------------------------------
-@rule("SwiGLU", since=28)
-def swiglu(ctx):
-    """y = a * s * b, s = sigmoid(alpha*a): db = (dy*a)*s, da = t + alpha*(t*a)*(1 - s) with t = (dy*b)*s"""
-    a, b, gy, op = ctx.I(0), ctx.I(1), ctx.GO(0), ctx.op
-    alpha = ctx.attr("alpha", 1.0)
-    s = op.Sigmoid(op.Mul(a, ctx.const_like(alpha, a)) if alpha != 1.0 else a)  # a function of a alone
-    ga = gb = None
-    if ctx.needs(0):
-        t = op.Mul(op.Mul(gy, b), s)
-        ta = op.Mul(t, a)
-        if alpha != 1.0:
-            ta = op.Mul(ta, ctx.const_like(alpha, a))
-        ga = op.Add(t, op.Sub(ta, op.Mul(ta, s)))
-    if ctx.needs(1):
-        gb = op.Mul(op.Mul(gy, a), s)
-    return [ga, gb]
-
-
-# -- CausalConvWithState (opset 27) --------------------------------------------------------------------------
-@rule("CausalConvWithState", since=27, wrt=(0, 1, 2),
-      limits="static kernel size and channels; past_state gets no gradient (the schema marks it so)")
-def causal_conv_with_state(ctx):
-    """p = [past, x] along the length, z = depthwise Conv(p, w) + b, y = act(z), present = the last k-1 of p:
-    dz = dy * act'(z), dx = ConvTranspose(dz, w) (+ dpresent) without its first k-1,
-    dw[c, j] = sum dz[., c, t] * p[., c, t + j] (a grouped Conv), db = sum(dz)"""
-    op = ctx.op
-    x, w, b, past = ctx.I(0), ctx.I(1), ctx.I(2), ctx.I(3)
-    k = w.shape[-1] if w.shape else None
-    if not isinstance(k, int):
-        raise ctx.unsupported("the kernel size (the last axis of weight) must be static")
-    channels = ctx.dim(w, 0)
-    activation = ctx.attr("activation", "none")
-    activation = activation.decode() if isinstance(activation, bytes) else activation
-    gy = ctx.GO_or_zeros(0)
-    if past is None:
-        zero = helper.make_tensor("", ctx.elem_type(x), [1], [0])
-        past = op.ConstantOfShape(ctx.make_shape([ctx.dim(x, 0), ctx.dim(x, 1), k - 1]), value=zero)
-    # [past, x] through the gradient (as Attention's Q): Concat with dy and Split again, so the recomputed
-    # pre-activation and the weight gradient's input cannot run during the forward pass
-    length = ctx.dim(x, 2)
-    padded, gy = op.Split(op.Concat(past, x, gy, axis=2), ctx.make_shape([k - 1 + length if isinstance(length, int)
-                                                                     else op.Add(length, op.ints([k - 1])),
-                                                                     length]), axis=2, outputs=2)
-    gz = gy
-    if activation in ("silu", "swish"):
-        z = op.Conv(padded, w, b, group=channels) if isinstance(channels, int) else None
-        if z is None:
-            raise ctx.unsupported("the number of channels (the first axis of weight) must be static")
-        s = op.Sigmoid(z)
-        t = op.Mul(gy, s)
-        tz = op.Mul(t, z)
-        gz = op.Add(t, op.Sub(tz, op.Mul(tz, s)))
-    elif activation != "none":
-        raise ctx.unsupported(f"activation {activation!r}")
-    g_padded = op.ConvTranspose(gz, w, group=channels)
-    g_present = ctx.GO(1)
-    if g_present is not None:   # present is the last k-1 positions of [past, x]
-        g_padded = op.Add(g_padded, op.Pad(g_present, ctx.make_shape([0, 0, length, 0, 0, 0])))
-    gx = gw = gb = None
-    if ctx.needs(0):
-        _, gx = op.Split(g_padded, ctx.make_shape([k - 1, length]), axis=2, outputs=2)
-    if ctx.needs(1):
-        # batch folded into channels: out[0, c, j] = sum_b sum_t p[b, c, t + j] * dz[b, c, t]
-        p_cb = ctx.reshape(op.Transpose(padded, perm=[1, 0, 2]), [1, -1, 0])
-        dz_cb = op.Transpose(gz, perm=[1, 0, 2])
-        gw = ctx.reshape(op.Conv(p_cb, dz_cb, group=channels), [channels, 1, k])
-    if ctx.needs(2):
-        gb = op.ReduceSum(gz, op.ints([0, 2]), keepdims=0)
-    return [gx, gw, gb, None][:ctx.num_inputs]
