@@ -190,10 +190,34 @@ def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
 def attention(ctx):
     """Y = P V, P = softmax(scale*Q K^T (softcapped) + bias), P recomputed: dV = P^T dY, dP = dY V^T,
     dL = P*(dP - rowsum(dY*Y)), dQ = scale*dL K, dK = scale*dL^T Q (through softcap: dL*(1 - t^2))"""
-    op = ctx.op
-    q, mask, past_k = ctx.I(0), ctx.I(3), ctx.I(4)
+    op, q, past_k = ctx.op, ctx.I(0), ctx.I(4)
     heads = _Heads(ctx)
-    t = ctx.elem_type(q)
+    scale, softcap, mode, g_qk = _settings(ctx, heads)
+    k_total, v_total = _attended(ctx, heads, 1, 4), _attended(ctx, heads, 2, 5)
+    past_len = ctx.dim(past_k, 2) if past_k is not None else None
+    qs, gyv, gy = _tied_to_gradient(ctx, heads, scale)
+    probs, tanh = _probabilities(ctx, heads, qs, k_total, past_len, softcap)
+    g_logits = _softmax_grad(ctx, heads, probs, gyv, gy, v_total, g_qk, mode)
+    g_mask = _mask_grad(ctx, heads, g_logits, k_total) if ctx.needs(3) else None
+    g_scores = _scores_grad(ctx, heads, g_logits, tanh, g_qk, mode)
+
+    sub_q, sub_k, sub_s = heads.q_sub, heads.k_sub, heads.s_sub
+    gq = gk = gv = gpk = gpv = None
+    if ctx.needs(0):
+        gq = heads.q_unview(op.Mul(heads.einsum(sub_s, sub_k, sub_q, g_scores, k_total),
+                                   ctx.const_like(scale, q)), q)
+    if ctx.needs(1) or ctx.needs(4) or ctx.GO(1) is not None:
+        gk, gpk = _split_cache(ctx, heads, heads.einsum(sub_s, sub_q, sub_k, g_scores, qs), 1, 4)
+    if ctx.needs(2) or ctx.needs(5) or ctx.GO(2) is not None:
+        gv, gpv = _split_cache(ctx, heads, heads.einsum(sub_s, sub_q, sub_k, heads.scores_grouped(probs, q), gyv),
+                               2, 5)
+    grads = [gq, gk if ctx.needs(1) else None, gv if ctx.needs(2) else None, g_mask,
+             gpk if ctx.needs(4) else None, gpv if ctx.needs(5) else None, None]
+    return grads[:ctx.num_inputs]
+
+
+def _settings(ctx, heads: _Heads):
+    """scale (1/sqrt(head size) when not given), softcap, qk_matmul_output_mode and that output's gradient."""
     scale = ctx.attr("scale", None)
     if scale is None:
         if heads.dq is None:
@@ -206,35 +230,42 @@ def attention(ctx):
     if g_qk is not None and mode == 0 and softcap > 0:
         raise ctx.unsupported("a gradient through qk_matmul_output in mode 0 with softcap: the spec says the raw "
                               "product, the reference evaluator gives the softcapped one")
+    return scale, softcap, mode, g_qk
 
-    # K and V as the op reads them: the present key/value when a cache is concatenated in front
-    def total(i_in, i_past, i_present):
-        present = ctx.node.outputs[i_present] if len(ctx.node.outputs) > i_present else None
-        if ctx.I(i_past) is None:
-            return heads.k_view(ctx.I(i_in))
-        if present is not None and present.name:
-            return present
-        return op.Concat(ctx.I(i_past), heads.k_as_4d(ctx.I(i_in)), axis=2)
-    k_total, v_total = total(1, 4, 1), total(2, 5, 2)
-    past_len = ctx.dim(past_k, 2) if past_k is not None else None
 
-    # Q through the gradient: Concat with dY and Split again (see the module docstring)
+def _attended(ctx, heads: _Heads, i_in: int, i_past: int):
+    """K (input 1) or V (input 2) as the op attends it: the present key/value (output 1 or 2) when a cache is
+    concatenated in front."""
+    present = ctx.node.outputs[i_in] if len(ctx.node.outputs) > i_in else None
+    if ctx.I(i_past) is None:
+        return heads.k_view(ctx.I(i_in))
+    if present is not None and present.name:
+        return present
+    return ctx.op.Concat(ctx.I(i_past), heads.k_as_4d(ctx.I(i_in)), axis=2)
+
+
+def _tied_to_gradient(ctx, heads: _Heads, scale: float):
+    """scale * Q and dY in the q_sub layout, Q passed through a Concat with dY and a Split (see the module
+    docstring); and dY as it came."""
+    op, q = ctx.op, ctx.I(0)
     gy = ctx.GO_or_zeros(0)
-    y = ctx.O(0)
     tied = op.Concat(q, gy, axis=-1)
-    q_last, gy_last = ctx.dim(q, -1), ctx.dim(y, -1)
+    q_last, gy_last = ctx.dim(q, -1), ctx.dim(ctx.O(0), -1)
     q_tied, gy_tied = op.Split(tied, ctx.make_shape([q_last, gy_last]), axis=-1, outputs=2)
     qs = op.Mul(heads.q_view(q_tied, q), ctx.const_like(scale, q))      # scale * Q, in the q_sub layout
-    gyv = heads.q_view(gy_tied, q)
-    sub_q, sub_k, sub_s = heads.q_sub, heads.k_sub, heads.s_sub
+    return qs, heads.q_view(gy_tied, q), gy
 
-    # recompute the probabilities
-    scores = heads.scores_4d(heads.einsum(sub_q, sub_k, sub_s, qs, k_total), q)
-    capped = tanh = None
+
+def _probabilities(ctx, heads: _Heads, qs, k_total, past_len, softcap: float):
+    """P recomputed from scale * Q and K (masked, softcapped, in softmax_precision), and tanh of the softcap (None
+    without one)."""
+    op, q, mask = ctx.op, ctx.I(0), ctx.I(3)
+    t = ctx.elem_type(q)
+    logits = scores = heads.scores_4d(heads.einsum(heads.q_sub, heads.k_sub, heads.s_sub, qs, k_total), q)
+    tanh = None
     if softcap > 0:
         tanh = op.Tanh(op.Div(scores, ctx.const_like(softcap, q)))
-        capped = op.Mul(tanh, ctx.const_like(softcap, q))
-    logits = capped if capped is not None else scores
+        logits = op.Mul(tanh, ctx.const_like(softcap, q))
     allowed, float_mask, alive = _attention_allowed(ctx, heads, q, k_total, past_len)
     if float_mask is not None:
         logits = op.Add(logits, ctx.cast(float_mask, ctx.elem_type(mask), t))
@@ -248,28 +279,44 @@ def attention(ctx):
     zero = ctx.const_like(0.0, q)
     if alive is not None:
         probs = op.Where(alive, probs, zero)   # rows with no key allowed are 0, not NaN
+    return probs, tanh
 
-    # backward through softmax: dL = P * (dP - rowsum(P * dP)), rowsum(P * dP) = rowsum(dY * Y)
-    g_probs = heads.scores_4d(heads.einsum(sub_q, sub_k, sub_s, gyv, v_total), q)
+
+def _softmax_grad(ctx, heads: _Heads, probs, gyv, gy, v_total, g_qk, mode: int):
+    """dL = P * (dP - rowsum(P * dP)) with dP = dY V^T, rowsum(P * dP) = rowsum(dY * Y); a qk_matmul_output
+    gradient joins dP in mode 3 (the probabilities) and dL in mode 2 (the masked scores)."""
+    op, q = ctx.op, ctx.I(0)
+    g_probs = heads.scores_4d(heads.einsum(heads.q_sub, heads.k_sub, heads.s_sub, gyv, v_total), q)
     if g_qk is not None and mode == 3:
         g_probs = op.Add(g_probs, g_qk)
         row = op.ReduceSum(op.Mul(probs, g_probs), op.ints([-1]), keepdims=1)
     else:
-        row = op.ReduceSum(heads.q_view(op.Mul(gy, y), q), op.ints([-1]), keepdims=1)   # in the q_sub layout
+        row = op.ReduceSum(heads.q_view(op.Mul(gy, ctx.O(0)), q), op.ints([-1]), keepdims=1)   # in the q_sub layout
         if heads.rank == 3:   # [B, Sq, h, (g,) 1] -> [B, h, (g,) Sq, 1]
             row = op.Transpose(row, perm=[0, 2, 3, 1, 4] if heads.group > 1 else [0, 2, 1, 3])
         row = heads.scores_4d(row, q)
     g_logits = op.Mul(probs, op.Sub(g_probs, row))
     if g_qk is not None and mode == 2:
         g_logits = op.Add(g_logits, g_qk)
-    g_mask = None
-    if ctx.needs(3):
-        g_mask = g_logits
-        m_len = mask.shape[-1] if mask.shape else None
-        skv = ctx.dim(k_total, 2 if heads.rank == 4 or heads.cached else 1)
-        if not (isinstance(m_len, int) and isinstance(skv, int) and m_len == skv):
-            g_mask = op.Slice(g_mask, op.ints([0]), op.Shape(mask, start=-1), op.ints([-1]))
-        g_mask = ctx.cast(unbroadcast(ctx, g_mask, mask, _sized(g_mask, heads.s_rank)), t, ctx.elem_type(mask))
+    return g_logits
+
+
+def _mask_grad(ctx, heads: _Heads, g_logits, k_total):
+    """The float mask's gradient: dL cut to the mask's length and summed to its shape."""
+    op, mask = ctx.op, ctx.I(3)
+    g_mask = g_logits
+    m_len = mask.shape[-1] if mask.shape else None
+    skv = ctx.dim(k_total, 2 if heads.rank == 4 or heads.cached else 1)
+    if not (isinstance(m_len, int) and isinstance(skv, int) and m_len == skv):
+        g_mask = op.Slice(g_mask, op.ints([0]), op.Shape(mask, start=-1), op.ints([-1]))
+    g_mask = unbroadcast(ctx, g_mask, mask, _sized(g_mask, heads.s_rank))
+    return ctx.cast(g_mask, ctx.elem_type(ctx.I(0)), ctx.elem_type(mask))
+
+
+def _scores_grad(ctx, heads: _Heads, g_logits, tanh, g_qk, mode: int):
+    """The gradient of scale * Q K^T, in the layout of the Einsums: through softcap (dL*(1 - t^2)), with a
+    qk_matmul_output gradient in mode 1 (the softcapped scores) or 0 (the raw product)."""
+    op = ctx.op
     g_scores = g_logits
     if g_qk is not None and mode == 1:
         g_scores = op.Add(g_scores, g_qk)
@@ -277,20 +324,7 @@ def attention(ctx):
         g_scores = op.Sub(g_scores, op.Mul(op.Mul(g_scores, tanh), tanh))
     if g_qk is not None and mode == 0:
         g_scores = op.Add(g_scores, g_qk)
-    g_scores = heads.scores_grouped(g_scores, q)
-
-    gq = gk = gv = gpk = gpv = None
-    if ctx.needs(0):
-        gq = heads.q_unview(op.Mul(heads.einsum(sub_s, sub_k, sub_q, g_scores, k_total),
-                                   ctx.const_like(scale, q)), q)
-    if ctx.needs(1) or ctx.needs(4) or ctx.GO(1) is not None:
-        gk, gpk = _split_cache(ctx, heads, heads.einsum(sub_s, sub_q, sub_k, g_scores, qs), 1, 4)
-    if ctx.needs(2) or ctx.needs(5) or ctx.GO(2) is not None:
-        gv, gpv = _split_cache(ctx, heads, heads.einsum(sub_s, sub_q, sub_k, heads.scores_grouped(probs, q), gyv),
-                               2, 5)
-    grads = [gq, gk if ctx.needs(1) else None, gv if ctx.needs(2) else None, g_mask,
-             gpk if ctx.needs(4) else None, gpv if ctx.needs(5) else None, None]
-    return grads[:ctx.num_inputs]
+    return heads.scores_grouped(g_scores, ctx.I(0))
 
 
 def _sized(v, rank: int):
