@@ -1,4 +1,4 @@
-"""Gradient rules: control flow (If), and the ops that onnxgrad/unroll.py rewrites before differentiation.
+"""Gradient rules: control flow (If), and the ops that onnxgrad/lowering.py rewrites before differentiation.
 
 If: the gradient is itself an If on the same condition. Each of its branches is the backward graph of the
 forward branch, built by the same walker on the branch read as a graph of its own: the outer-scope values the
@@ -10,7 +10,7 @@ that would recompute a random op (Dropout in training form, Random*, Bernoulli) 
 draw would differ from the forward one.
 
 LSTM, GRU, RNN and the sequence ops are rewritten into plain tensor ops before the gradient pass
-(onnxgrad/unroll.py). Their rules below are reached only when that rewrite declined a node; they raise the
+(onnxgrad/lowering.py). Their rules below are reached only when that rewrite declined a node; they raise the
 reason, so the error names the form and what to do. Scan and Loop have their rules in rules/loops.py.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from .. import unroll
+from .. import lowering
 from ..builder import Builder
 from ..errors import UnsupportedError
 from ..gradient import differentiate, reaching_heads
@@ -62,7 +62,7 @@ def _branch_backward(ctx, attr_name: str, wanted: list[Value], out_grads: list[V
     wrt = [sub.values[v.name] for v in wanted if v.name in sub.values]
     where = f"in the {attr_name} of If node {node.name!r}"
     try:
-        unroll.lower_for_gradient(sub, heads)
+        lowering.lower_for_gradient(sub, heads)
         result = differentiate(sub, heads, seeds, wrt, names, reaching_heads(sub, heads))
     except UnsupportedError as e:
         raise UnsupportedError(f"{where}: {e}") from None
@@ -93,27 +93,27 @@ def _branch_backward(ctx, attr_name: str, wanted: list[Value], out_grads: list[V
 
 # -- forms the pre-pass declined ----------------------------------------------------------------------------------
 def _declined(ctx):
-    raise ctx.unsupported(unroll.why_not_lowered(ctx.node, ctx.op.graph))
+    raise ctx.unsupported(lowering.why_not_lowered(ctx.node, ctx.op.graph))
 
 
 @rule("LSTM", since=13, limits="unrolled before differentiation: static sequence length, sequence_lens absent or "
                                "constant and full")
 def lstm(ctx):
-    """unrolled into MatMul/Sigmoid/Tanh/Mul steps by onnxgrad/unroll.py; reached only when that declined"""
+    """unrolled into MatMul/Sigmoid/Tanh/Mul steps by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("GRU", since=13, limits="unrolled before differentiation: static sequence length, sequence_lens absent or "
                               "constant and full")
 def gru(ctx):
-    """unrolled into MatMul/Sigmoid/Tanh/Mul steps by onnxgrad/unroll.py; reached only when that declined"""
+    """unrolled into MatMul/Sigmoid/Tanh/Mul steps by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("RNN", since=13, limits="unrolled before differentiation: static sequence length, sequence_lens absent or "
                               "constant and full")
 def rnn(ctx):
-    """unrolled into MatMul/Tanh steps by onnxgrad/unroll.py; reached only when that declined"""
+    """unrolled into MatMul/Tanh steps by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
@@ -122,35 +122,35 @@ _SEQUENCE_LIMITS = "rewritten to tensor ops before differentiation: constant pos
 
 @rule("SplitToSequence", since=13, limits=_SEQUENCE_LIMITS)
 def split_to_sequence(ctx):
-    """a Split (then Squeeze for keepdims=0) by onnxgrad/unroll.py; reached only when that declined"""
+    """a Split (then Squeeze for keepdims=0) by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("SequenceConstruct", since=13, limits=_SEQUENCE_LIMITS)
 def sequence_construct(ctx):
-    """the list of its inputs, tracked by onnxgrad/unroll.py; reached only when that declined"""
+    """the list of its inputs, tracked by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("SequenceInsert", since=13, limits=_SEQUENCE_LIMITS)
 def sequence_insert(ctx):
-    """the list with one more tensor, tracked by onnxgrad/unroll.py; reached only when that declined"""
+    """the list with one more tensor, tracked by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("SequenceErase", since=13, limits=_SEQUENCE_LIMITS)
 def sequence_erase(ctx):
-    """the list with one tensor less, tracked by onnxgrad/unroll.py; reached only when that declined"""
+    """the list with one tensor less, tracked by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("SequenceAt", since=13, limits=_SEQUENCE_LIMITS)
 def sequence_at(ctx):
-    """the tensor at a constant position, by onnxgrad/unroll.py; reached only when that declined"""
+    """the tensor at a constant position, by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("ConcatFromSequence", since=13, limits=_SEQUENCE_LIMITS)
 def concat_from_sequence(ctx):
-    """a Concat (of Unsqueezed tensors for new_axis=1) by onnxgrad/unroll.py; reached only when that declined"""
+    """a Concat (of Unsqueezed tensors for new_axis=1) by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)

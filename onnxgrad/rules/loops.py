@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
-from .. import unroll
+from .. import lowering
 from ..builder import Builder
 from ..errors import UnsupportedError
 from ..gradient import differentiate, reaching_heads
@@ -348,7 +348,7 @@ def _carry_seed(op: Builder, v: Value) -> Value | None:
 def _differentiate_body(ctx, sub: Graph, heads: list, wrt: list[Value], where: str):
     head_values, seeds = [h for h, _ in heads], [s for _, s in heads]
     try:
-        unroll.lower_for_gradient(sub, head_values)
+        lowering.lower_for_gradient(sub, head_values)
         return differentiate(sub, head_values, seeds, wrt, ctx.op.names, reaching_heads(sub, head_values))
     except UnsupportedError as e:
         raise UnsupportedError(f"{where}: {e}") from None
