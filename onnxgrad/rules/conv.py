@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from onnx import helper
 
 from ..registry import rule
 
@@ -284,7 +283,7 @@ def max_pool(ctx):
     else:
         _, indices = op.MaxPool(x, outputs=2, storage_order=0, **_pool_attrs(ctx))
     # MaxPool's indices are flat positions in x (batch and channel included, padding excluded).
-    zeros = op.ConstantOfShape(_flat_size(ctx, x), value=helper.make_tensor("", ctx.elem_type(x), [1], [0]))
+    zeros = ctx.zeros(_flat_size(ctx, x), x)
     if ctx.opset >= 16:
         flat = op.ScatterElements(zeros, op.Reshape(indices, op.ints([-1])), op.Reshape(gy, op.ints([-1])),
                                   axis=0, reduction="add")
@@ -461,8 +460,7 @@ def causal_conv_with_state(ctx):
     activation = activation.decode() if isinstance(activation, bytes) else activation
     gy = ctx.GO_or_zeros(0)
     if past is None:
-        zero = helper.make_tensor("", ctx.elem_type(x), [1], [0])
-        past = op.ConstantOfShape(ctx.make_shape([ctx.dim(x, 0), ctx.dim(x, 1), k - 1]), value=zero)
+        past = ctx.zeros(ctx.make_shape([ctx.dim(x, 0), ctx.dim(x, 1), k - 1]), x)
     # [past, x] through the gradient (as Attention's Q): Concat with dy and Split again, so the recomputed
     # pre-activation and the weight gradient's input cannot run during the forward pass
     length = ctx.dim(x, 2)

@@ -18,7 +18,7 @@ import string
 from collections import Counter
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from ..registry import rule
 
@@ -96,7 +96,7 @@ def _identity(ctx, like, v, axis: int):
     if isinstance(d, int):
         return ctx.const_like(np.eye(d), like)
     square = ctx.op.Concat(ctx.dim_tensor(v, axis), ctx.dim_tensor(v, axis), axis=0)
-    zeros = ctx.op.ConstantOfShape(square, value=helper.make_tensor("", ctx.elem_type(like), [1], [0]))
+    zeros = ctx.zeros(square, like)
     return ctx.op.EyeLike(zeros)
 
 
