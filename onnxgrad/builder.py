@@ -150,12 +150,68 @@ class GradContext:
         return self.op.ints(static) if static is not None else self.op.Shape(v)
 
     def zeros_like(self, v: Value) -> Value:
-        zero = helper.make_tensor("", self.elem_type(v), [1], [0])
-        return self.op.ConstantOfShape(self.shape_of(v), value=zero)
+        return self.zeros(self.shape_of(v), v)
+
+    def zeros(self, shape: Value, like: Value) -> Value:
+        """Zeros of a run-time shape (a 1-D int64 Value) with like's element type."""
+        zero = helper.make_tensor("", self.elem_type(like), [1], [0])
+        return self.op.ConstantOfShape(shape, value=zero)
 
     def reshape_like(self, g: Value, like: Value) -> Value:
         # allowzero: a 0 in a real shape is a zero-size dim, not "copy this dim"
         return self.op.Reshape(g, self.shape_of(like), allowzero=1 if self.opset >= 14 else None)
+
+    def text_attr(self, name: str, default: str) -> str:
+        """A string attribute as text (onnx stores it as bytes)."""
+        value = self.attr(name, default)
+        return value.decode() if isinstance(value, bytes) else value
+
+    def cast(self, v: Value | None, from_type: int, to_type: int) -> Value | None:
+        """v converted between two known element types (Cast, not CastLike, which needs opset 15).
+
+        Values built by rules carry no element type, so callers name the type they know v has.
+        """
+        return v if v is None or from_type == to_type else self.op.Cast(v, to=to_type)
+
+    def as_int64(self, v: Value) -> Value:
+        """An integer forward value (indices, shapes) as int64."""
+        return v if v.elem_type == TensorProto.INT64 else self.op.Cast(v, to=TensorProto.INT64)
+
+    # -- dims and shapes: a dim is an int where the shape is static, else a 1-element int64 Value --------------
+    def dim(self, v: Value, axis: int) -> int | Value:
+        """v's size along axis: an int when static, else a 1-element int64 Value (a Shape slice, opset 15+)."""
+        d = v.shape[axis] if v.shape is not None else None
+        if isinstance(d, int):
+            return d
+        axis = axis % self.rank(v)
+        return self.op.Shape(v, start=axis, end=axis + 1)
+
+    def dim_tensor(self, v: Value, axis: int) -> Value:
+        """v's size along axis as a 1-element int64 Value, also when static (a constant then); any opset."""
+        d = v.shape[axis] if v.shape is not None else None
+        if isinstance(d, int):
+            return self.op.ints([d])
+        return self.op.Gather(self.op.Shape(v), self.op.ints([axis]))
+
+    def int64(self, value: int) -> Value:
+        """An int64 scalar constant: the bounds of a Range, an index offset."""
+        return self.op.const(np.int64(value), TensorProto.INT64)
+
+    def dim_scalar(self, d: int | Value) -> Value:
+        """A dim (an int, or a 1-element int64 Value as `dim` gives) as an int64 scalar."""
+        if isinstance(d, int):
+            return self.int64(d)
+        return self.op.Squeeze(d, self.op.ints([0]))
+
+    def make_shape(self, dims: Sequence[int | Value]) -> Value:
+        """A 1-D int64 shape from dims: a constant when every dim is an int, else a Concat."""
+        if all(isinstance(d, int) for d in dims):
+            return self.op.ints(dims)
+        return self.op.Concat(*[self.op.ints([d]) if isinstance(d, int) else d for d in dims], axis=0)
+
+    def reshape(self, v: Value, dims: Sequence[int | Value]) -> Value:
+        """Reshape v to dims; a 0 copies v's dim at that index and -1 takes the rest (allowzero=0)."""
+        return self.op.Reshape(v, self.make_shape(dims))
 
     def normalize_axis(self, axis: int, rank: int) -> int:
         if not -rank <= axis < max(rank, 1):

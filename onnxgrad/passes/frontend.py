@@ -10,7 +10,7 @@ from ..errors import UsageError
 from ..fold import fold_to_fixed_point
 from ..ir import from_model
 from ..pipeline import Build, Pass
-from ..unroll import lower_for_gradient
+from ..lowering import lower_for_gradient
 from ..gradient import reaching_heads
 
 

@@ -156,7 +156,7 @@ class _Rewrite:
     def _rewrite_branches(self, node: Node) -> None:
         """Rewrite each branch of an If as a graph of its own, by the same lists: the outer values it reads stay
         float32 (their producers are pinned), and so do its outputs, so the If's types do not change."""
-        from ..rules.control import _as_graph
+        from ..rules.subgraphs import as_graph as _as_graph
         for k, a in enumerate(node.attributes):
             if a.type != onnx.AttributeProto.GRAPH:
                 continue

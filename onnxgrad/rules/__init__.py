@@ -1,3 +1,3 @@
 """Gradient rules, one module per op family; importing this package registers them all."""
-from . import (activation, control, conv, elementwise, fused, indexing, linalg, loops, nn, nondiff, norm,  # noqa: F401
-               reduction, resample, shape)
+from . import (activation, attention, control, conv, elementwise, indexing, linalg, loops, nn, nondiff,  # noqa: F401
+               norm, reduction, resample, shape)

@@ -3,18 +3,13 @@
 Where the forward output determines the derivative (Sigmoid, Tanh, Elu, ...), the rule reads y rather than x,
 so x need not be kept for the backward pass. Every node consumes the output gradient except masks (one byte per
 element) and the few local derivatives that no rearrangement can tie to the gradient (Erf's exp(-x*x), Gelu's
-and Mish's inner functions, Sin and Cos); those are noted where they occur.
+and Mish's inner functions, Sin and Cos, the sigmoid of Swish and SwiGLU); those are noted where they occur.
 """
 from __future__ import annotations
 
 import math
 
 from ..registry import rule
-
-
-def _text(ctx, name: str, default: str) -> str:
-    value = ctx.attr(name, default)
-    return value.decode() if isinstance(value, bytes) else value
 
 
 @rule("Relu", since=13)
@@ -145,7 +140,7 @@ def erf(ctx):
 def gelu(ctx):
     """none: dx = h + h*erf(x/sqrt2) + (dy*x)*pdf(x), h = dy/2; tanh: dx = h + h*t + (h*x - (h*x)*t*t) * du/dx"""
     x, gy, op = ctx.I(0), ctx.GO(0), ctx.op
-    approximate = _text(ctx, "approximate", "none")
+    approximate = ctx.text_attr("approximate", "none")
     half = op.Mul(gy, ctx.const_like(0.5, x))
     if approximate == "none":
         # erf(x / sqrt 2) and exp(-x*x / 2) depend on x alone.
@@ -185,3 +180,33 @@ def sin(ctx):
 def cos(ctx):
     """dx = -(dy * sin(x))"""
     return [ctx.op.Neg(ctx.op.Mul(ctx.GO(0), ctx.op.Sin(ctx.I(0))))]  # sin(x) depends on x alone
+
+
+@rule("Swish", since=24)
+def swish(ctx):
+    """y = x * s, s = sigmoid(alpha*x): dx = dy*s + alpha*(dy*y)*(1 - s)"""
+    x, y, gy, op = ctx.I(0), ctx.O(0), ctx.GO(0), ctx.op
+    alpha = ctx.attr("alpha", 1.0)
+    # s is a function of x alone (as Softplus's sigmoid): the one forward-only node
+    s = op.Sigmoid(op.Mul(x, ctx.const_like(alpha, x)) if alpha != 1.0 else x)
+    gys = op.Mul(gy, s)
+    gyy = op.Mul(op.Mul(gy, y), ctx.const_like(alpha, x)) if alpha != 1.0 else op.Mul(gy, y)
+    return [op.Add(gys, op.Sub(gyy, op.Mul(gyy, s)))]
+
+
+@rule("SwiGLU", since=28)
+def swiglu(ctx):
+    """y = a * s * b, s = sigmoid(alpha*a): db = (dy*a)*s, da = t + alpha*(t*a)*(1 - s) with t = (dy*b)*s"""
+    a, b, gy, op = ctx.I(0), ctx.I(1), ctx.GO(0), ctx.op
+    alpha = ctx.attr("alpha", 1.0)
+    s = op.Sigmoid(op.Mul(a, ctx.const_like(alpha, a)) if alpha != 1.0 else a)  # a function of a alone
+    ga = gb = None
+    if ctx.needs(0):
+        t = op.Mul(op.Mul(gy, b), s)
+        ta = op.Mul(t, a)
+        if alpha != 1.0:
+            ta = op.Mul(ta, ctx.const_like(alpha, a))
+        ga = op.Add(t, op.Sub(ta, op.Mul(ta, s)))
+    if ctx.needs(1):
+        gb = op.Mul(op.Mul(gy, a), s)
+    return [ga, gb]

@@ -1,4 +1,4 @@
-"""Gradient rules: control flow (If), and the ops that onnxgrad/unroll.py rewrites before differentiation.
+"""Gradient rules: control flow (If), and the ops that onnxgrad/lowering.py rewrites before differentiation.
 
 If: the gradient is itself an If on the same condition. Each of its branches is the backward graph of the
 forward branch, built by the same walker on the branch read as a graph of its own: the outer-scope values the
@@ -10,23 +10,21 @@ that would recompute a random op (Dropout in training form, Random*, Bernoulli) 
 draw would differ from the forward one.
 
 LSTM, GRU, RNN and the sequence ops are rewritten into plain tensor ops before the gradient pass
-(onnxgrad/unroll.py). Their rules below are reached only when that rewrite declined a node; they raise the
+(onnxgrad/lowering.py). Their rules below are reached only when that rewrite declined a node; they raise the
 reason, so the error names the form and what to do. Scan and Loop have their rules in rules/loops.py.
 """
 from __future__ import annotations
 
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
-from .. import unroll
+from .. import lowering
 from ..builder import Builder
 from ..errors import UnsupportedError
 from ..gradient import differentiate, reaching_heads
-from ..ir import Graph, Node, Value, attach_implicit_inputs, from_model, names_defined_in, outer_references
+from ..ir import Value, attach_implicit_inputs, names_defined_in
 from ..registry import rule
-
-RANDOM_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli",
-                        "Multinomial"})
+from .subgraphs import as_graph, draws_random, needed_nodes, renamed_copy
 
 
 @rule("If", since=13, limits="branches are recomputed by the backward If, so no random op may feed the "
@@ -55,7 +53,7 @@ def _branch_backward(ctx, attr_name: str, wanted: list[Value], out_grads: list[V
     branch = node.attr(attr_name)
     # the recomputed values get new names: sibling subgraphs defining one name trip onnx's data propagation
     renamed = {name: names.fresh(name) for name in sorted(names_defined_in(branch))}
-    sub = _as_graph(_renamed(branch, renamed), outer)
+    sub = as_graph(renamed_copy(branch, renamed), outer)
     heads, seeds = [], []
     for out, g in zip(sub.outputs, out_grads):
         if g is not None and (out.elem_type is None or out.is_float):
@@ -64,7 +62,7 @@ def _branch_backward(ctx, attr_name: str, wanted: list[Value], out_grads: list[V
     wrt = [sub.values[v.name] for v in wanted if v.name in sub.values]
     where = f"in the {attr_name} of If node {node.name!r}"
     try:
-        unroll.lower_for_gradient(sub, heads)
+        lowering.lower_for_gradient(sub, heads)
         result = differentiate(sub, heads, seeds, wrt, names, reaching_heads(sub, heads))
     except UnsupportedError as e:
         raise UnsupportedError(f"{where}: {e}") from None
@@ -81,9 +79,9 @@ def _branch_backward(ctx, attr_name: str, wanted: list[Value], out_grads: list[V
             g = op.Identity(g)
         outputs.append(g)
 
-    kept = _needed_nodes(sub, outputs)
+    kept = needed_nodes(sub, outputs)
     for n in kept:
-        if _draws_random(n, [sub, outer]):
+        if draws_random(n, [sub, outer]):
             raise UnsupportedError(
                 f"no gradient for If node {node.name!r}: {n.op_type} node {n.name!r} {where} draws random "
                 f"numbers, and the backward branch recomputes the branch, so it would draw different ones; "
@@ -93,102 +91,29 @@ def _branch_backward(ctx, attr_name: str, wanted: list[Value], out_grads: list[V
                              list(sub.initializers.values()), sparse_initializer=sub.sparse_initializers)
 
 
-def _as_graph(branch: onnx.GraphProto, outer: Graph) -> Graph:
-    """A branch as a Graph of its own: the outer values it reads become its inputs (with their types)."""
-    proto = onnx.GraphProto()
-    proto.CopyFrom(branch)
-    for name in outer_references(branch):
-        v = outer.values.get(name)
-        proto.input.append(v.value_info() if v is not None else helper.make_empty_tensor_value_info(name))
-    model = helper.make_model(proto, opset_imports=[helper.make_opsetid(d, v) for d, v in outer.opsets.items()])
-    return from_model(model)
-
-
-def _renamed(g: onnx.GraphProto, mapping: dict[str, str]) -> onnx.GraphProto:
-    """A copy of a graph with the names it defines (nested graphs included) replaced; references follow."""
-    out = onnx.GraphProto()
-    out.CopyFrom(g)
-
-    def rename(graph: onnx.GraphProto) -> None:
-        for v in [*graph.input, *graph.output, *graph.value_info, *graph.initializer]:
-            v.name = mapping.get(v.name, v.name)
-        for n in graph.node:
-            n.input[:] = [mapping.get(x, x) for x in n.input]
-            n.output[:] = [mapping.get(x, x) for x in n.output]
-            for a in n.attribute:
-                for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs):
-                    rename(sub)
-    rename(out)
-    return out
-
-
-def _needed_nodes(graph: Graph, outputs: list[Value]) -> list[Node]:
-    """The nodes the outputs depend on, in graph order (the forward nodes the backward does not read go)."""
-    needed = {id(v) for v in outputs}
-    kept = []
-    for n in reversed(graph.nodes):
-        if any(id(o) in needed for o in n.outputs):
-            kept.append(n)
-            needed.update(id(v) for v in n.all_inputs if v is not None)
-    return kept[::-1]
-
-
-def _draws_random(node: Node, graphs: list[Graph]) -> bool:
-    if node.op_type in RANDOM_OPS:
-        return True
-    if node.op_type == "Dropout":
-        training = node.input(2)
-        return training is not None and _constant(training, graphs) is not False
-    return any(_proto_draws_random(g) for g in node.subgraphs())
-
-
-def _proto_draws_random(g: onnx.GraphProto) -> bool:
-    """Conservative, for nested subgraphs: any Random* op, or a Dropout given a training_mode input."""
-    for n in g.node:
-        if n.op_type in RANDOM_OPS or (n.op_type == "Dropout" and len(n.input) > 2 and n.input[2]):
-            return True
-        if any(_proto_draws_random(s) for a in n.attribute for s in ([a.g] if a.HasField("g") else a.graphs)):
-            return True
-    return False
-
-
-def _constant(v: Value, graphs: list[Graph]):
-    """A boolean scalar's value when an initializer or Constant holds it (in any of the graphs), else None."""
-    for graph in graphs:
-        value = graph.values.get(v.name)
-        if value is None:
-            continue
-        if value.name in graph.initializers:
-            return bool(numpy_helper.to_array(graph.initializers[value.name]).reshape(-1)[0])
-        p = value.producer
-        if p is not None and p.op_type == "Constant" and p.has_attr("value"):
-            return bool(numpy_helper.to_array(p.attr("value")).reshape(-1)[0])
-    return None
-
-
 # -- forms the pre-pass declined ----------------------------------------------------------------------------------
 def _declined(ctx):
-    raise ctx.unsupported(unroll.why_not_lowered(ctx.node, ctx.op.graph))
+    raise ctx.unsupported(lowering.why_not_lowered(ctx.node, ctx.op.graph))
 
 
 @rule("LSTM", since=13, limits="unrolled before differentiation: static sequence length, sequence_lens absent or "
                                "constant and full")
 def lstm(ctx):
-    """unrolled into MatMul/Sigmoid/Tanh/Mul steps by onnxgrad/unroll.py; reached only when that declined"""
+    """unrolled into MatMul/Sigmoid/Tanh/Mul steps by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("GRU", since=13, limits="unrolled before differentiation: static sequence length, sequence_lens absent or "
                               "constant and full")
 def gru(ctx):
-    """unrolled into MatMul/Sigmoid/Tanh/Mul steps by onnxgrad/unroll.py; reached only when that declined"""
+    """unrolled into MatMul/Sigmoid/Tanh/Mul steps by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("RNN", since=13, limits="unrolled before differentiation: static sequence length, sequence_lens absent or "
                               "constant and full")
 def rnn(ctx):
-    """unrolled into MatMul/Tanh steps by onnxgrad/unroll.py; reached only when that declined"""
+    """unrolled into MatMul/Tanh steps by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
@@ -197,35 +122,35 @@ _SEQUENCE_LIMITS = "rewritten to tensor ops before differentiation: constant pos
 
 @rule("SplitToSequence", since=13, limits=_SEQUENCE_LIMITS)
 def split_to_sequence(ctx):
-    """a Split (then Squeeze for keepdims=0) by onnxgrad/unroll.py; reached only when that declined"""
+    """a Split (then Squeeze for keepdims=0) by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("SequenceConstruct", since=13, limits=_SEQUENCE_LIMITS)
 def sequence_construct(ctx):
-    """the list of its inputs, tracked by onnxgrad/unroll.py; reached only when that declined"""
+    """the list of its inputs, tracked by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("SequenceInsert", since=13, limits=_SEQUENCE_LIMITS)
 def sequence_insert(ctx):
-    """the list with one more tensor, tracked by onnxgrad/unroll.py; reached only when that declined"""
+    """the list with one more tensor, tracked by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("SequenceErase", since=13, limits=_SEQUENCE_LIMITS)
 def sequence_erase(ctx):
-    """the list with one tensor less, tracked by onnxgrad/unroll.py; reached only when that declined"""
+    """the list with one tensor less, tracked by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("SequenceAt", since=13, limits=_SEQUENCE_LIMITS)
 def sequence_at(ctx):
-    """the tensor at a constant position, by onnxgrad/unroll.py; reached only when that declined"""
+    """the tensor at a constant position, by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)
 
 
 @rule("ConcatFromSequence", since=13, limits=_SEQUENCE_LIMITS)
 def concat_from_sequence(ctx):
-    """a Concat (of Unsqueezed tensors for new_axis=1) by onnxgrad/unroll.py; reached only when that declined"""
+    """a Concat (of Unsqueezed tensors for new_axis=1) by onnxgrad/lowering.py; reached only when that declined"""
     return _declined(ctx)

@@ -8,6 +8,8 @@ the window elements: MaxPool through its argmax indices, AveragePool through a o
 need the spatial sizes at build time, to choose the pads and output_padding that make the transposed placement
 land exactly on x, and to count the elements of each averaging window. Every ConvTranspose written here has
 equal begin and end pads: onnxruntime's CUDA provider (cuDNN) refuses others and leaves them to the CPU.
+CausalConvWithState (opset 27) is a depthwise Conv over the carried state and x joined along the length; its
+input gradient is a ConvTranspose of dz, its weight gradient a grouped Conv with the batch folded into channels.
 
 Forward-only nodes here: the transposed copy of x for Conv's weight gradient (the contraction runs over the
 batch; split into stride phases, which partition it, for the GEMM form), MaxPool's recomputed indices (int64,
@@ -18,14 +20,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from onnx import helper
 
 from ..registry import rule
-
-
-def _text(ctx, name: str, default: str) -> str:
-    value = ctx.attr(name, default)
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _spatial(ctx, v, what: str) -> list[int]:
@@ -43,7 +39,7 @@ def _window(ctx, sizes: list[int], kernel: list[int]):
     n = len(sizes)
     strides = list(ctx.attr("strides", [1] * n))
     dilations = list(ctx.attr("dilations", [1] * n))
-    auto_pad = _text(ctx, "auto_pad", "NOTSET")
+    auto_pad = ctx.text_attr("auto_pad", "NOTSET")
     if auto_pad == "NOTSET":
         pads = list(ctx.attr("pads", [0] * (2 * n)))
         return strides, dilations, pads[:n], pads[n:]
@@ -266,7 +262,7 @@ def _pool_attrs(ctx) -> dict:
     names = ("auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads", "strides")
     attrs = {name: ctx.attr(name) for name in names}
     if attrs["auto_pad"] is not None:
-        attrs["auto_pad"] = _text(ctx, "auto_pad", "NOTSET")
+        attrs["auto_pad"] = ctx.text_attr("auto_pad", "NOTSET")
     return attrs
 
 
@@ -287,7 +283,7 @@ def max_pool(ctx):
     else:
         _, indices = op.MaxPool(x, outputs=2, storage_order=0, **_pool_attrs(ctx))
     # MaxPool's indices are flat positions in x (batch and channel included, padding excluded).
-    zeros = op.ConstantOfShape(_flat_size(ctx, x), value=helper.make_tensor("", ctx.elem_type(x), [1], [0]))
+    zeros = ctx.zeros(_flat_size(ctx, x), x)
     if ctx.opset >= 16:
         flat = op.ScatterElements(zeros, op.Reshape(indices, op.ints([-1])), op.Reshape(gy, op.ints([-1])),
                                   axis=0, reduction="add")
@@ -392,7 +388,7 @@ def _transposed_window(ctx, sizes: list[int], kernel: list[int]):
     strides = list(ctx.attr("strides", [1] * n))
     dilations = list(ctx.attr("dilations", [1] * n))
     extra = list(ctx.attr("output_padding", [0] * n))
-    auto_pad = _text(ctx, "auto_pad", "NOTSET")
+    auto_pad = ctx.text_attr("auto_pad", "NOTSET")
     output_shape = ctx.attr("output_shape")
     if auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
         raise ctx.unsupported(f"auto_pad={auto_pad}")
@@ -445,3 +441,55 @@ def conv_transpose(ctx):
     if ctx.needs(2):
         gb = op.ReduceSum(gy, op.ints([0, *range(2, len(sizes) + 2)]), keepdims=0)
     return [gx, gw, gb][:ctx.num_inputs]
+
+
+# -- CausalConvWithState ---------------------------------------------------------------------------------------------
+@rule("CausalConvWithState", since=27, wrt=(0, 1, 2),
+      limits="static kernel size and channels; past_state gets no gradient (the schema marks it so)")
+def causal_conv_with_state(ctx):
+    """p = [past, x] along the length, z = depthwise Conv(p, w) + b, y = act(z), present = the last k-1 of p:
+    dz = dy * act'(z), dx = ConvTranspose(dz, w) (+ dpresent) without its first k-1,
+    dw[c, j] = sum dz[., c, t] * p[., c, t + j] (a grouped Conv), db = sum(dz)"""
+    op = ctx.op
+    x, w, b, past = ctx.I(0), ctx.I(1), ctx.I(2), ctx.I(3)
+    k = w.shape[-1] if w.shape else None
+    if not isinstance(k, int):
+        raise ctx.unsupported("the kernel size (the last axis of weight) must be static")
+    channels = ctx.dim(w, 0)
+    activation = ctx.attr("activation", "none")
+    activation = activation.decode() if isinstance(activation, bytes) else activation
+    gy = ctx.GO_or_zeros(0)
+    if past is None:
+        past = ctx.zeros(ctx.make_shape([ctx.dim(x, 0), ctx.dim(x, 1), k - 1]), x)
+    # [past, x] through the gradient (as Attention's Q): Concat with dy and Split again, so the recomputed
+    # pre-activation and the weight gradient's input cannot run during the forward pass
+    length = ctx.dim(x, 2)
+    padded, gy = op.Split(op.Concat(past, x, gy, axis=2), ctx.make_shape([k - 1 + length if isinstance(length, int)
+                                                                     else op.Add(length, op.ints([k - 1])),
+                                                                     length]), axis=2, outputs=2)
+    gz = gy
+    if activation in ("silu", "swish"):
+        z = op.Conv(padded, w, b, group=channels) if isinstance(channels, int) else None
+        if z is None:
+            raise ctx.unsupported("the number of channels (the first axis of weight) must be static")
+        s = op.Sigmoid(z)
+        t = op.Mul(gy, s)
+        tz = op.Mul(t, z)
+        gz = op.Add(t, op.Sub(tz, op.Mul(tz, s)))
+    elif activation != "none":
+        raise ctx.unsupported(f"activation {activation!r}")
+    g_padded = op.ConvTranspose(gz, w, group=channels)
+    g_present = ctx.GO(1)
+    if g_present is not None:   # present is the last k-1 positions of [past, x]
+        g_padded = op.Add(g_padded, op.Pad(g_present, ctx.make_shape([0, 0, length, 0, 0, 0])))
+    gx = gw = gb = None
+    if ctx.needs(0):
+        _, gx = op.Split(g_padded, ctx.make_shape([k - 1, length]), axis=2, outputs=2)
+    if ctx.needs(1):
+        # batch folded into channels: out[0, c, j] = sum_b sum_t p[b, c, t + j] * dz[b, c, t]
+        p_cb = ctx.reshape(op.Transpose(padded, perm=[1, 0, 2]), [1, -1, 0])
+        dz_cb = op.Transpose(gz, perm=[1, 0, 2])
+        gw = ctx.reshape(op.Conv(p_cb, dz_cb, group=channels), [channels, 1, k])
+    if ctx.needs(2):
+        gb = op.ReduceSum(gz, op.ints([0, 2]), keepdims=0)
+    return [gx, gw, gb, None][:ctx.num_inputs]

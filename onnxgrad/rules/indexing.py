@@ -18,15 +18,9 @@ import string
 from collections import Counter
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from ..registry import rule
-from .shape import _as_int64, _dim, _scalar, _zeros
-
-
-def _text(ctx, name: str, default: str) -> str:
-    value = ctx.attr(name, default)
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _others_none(ctx, grads: dict) -> list:
@@ -101,8 +95,8 @@ def _identity(ctx, like, v, axis: int):
     d = v.shape[axis]
     if isinstance(d, int):
         return ctx.const_like(np.eye(d), like)
-    square = ctx.op.Concat(_dim(ctx, v, axis), _dim(ctx, v, axis), axis=0)
-    zeros = ctx.op.ConstantOfShape(square, value=helper.make_tensor("", ctx.elem_type(like), [1], [0]))
+    square = ctx.op.Concat(ctx.dim_tensor(v, axis), ctx.dim_tensor(v, axis), axis=0)
+    zeros = ctx.zeros(square, like)
     return ctx.op.EyeLike(zeros)
 
 
@@ -111,7 +105,7 @@ def einsum(ctx):
     """dx_i = einsum(dy, x_j for j != i -> subscripts of x_i), repeats via identities, summed labels expanded"""
     op, gy = ctx.op, ctx.GO(0)
     xs = list(ctx.node.inputs)
-    subs = _Subscripts(ctx, _text(ctx, "equation", ""), [ctx.rank(x) for x in xs])
+    subs = _Subscripts(ctx, ctx.text_attr("equation", ""), [ctx.rank(x) for x in xs])
     grads = []
     for i, x in enumerate(xs):
         if not ctx.needs(i):
@@ -173,7 +167,7 @@ def top_k(ctx):
     """dx = zeros with dy (of Values) placed at Indices along axis; the k positions in a fiber are distinct"""
     x, op = ctx.I(0), ctx.op
     axis = ctx.normalize_axis(ctx.attr("axis", -1), ctx.rank(x))
-    gx = op.ScatterElements(_zeros(ctx, ctx.shape_of(x), x), ctx.O(1), ctx.GO(0), axis=axis)
+    gx = op.ScatterElements(ctx.zeros(ctx.shape_of(x), x), ctx.O(1), ctx.GO(0), axis=axis)
     return [gx, None]
 
 
@@ -188,13 +182,13 @@ def gather_elements(ctx):
     known = ctx.const_input(1)
     if ctx.opset >= 16 or (known is not None and not _repeats_along(known, axis, x.shape[axis])):
         add = "add" if ctx.opset >= 16 else None
-        return [op.ScatterElements(_zeros(ctx, ctx.shape_of(x), x), indices, gy, axis=axis, reduction=add), None]
+        return [op.ScatterElements(ctx.zeros(ctx.shape_of(x), x), indices, gy, axis=axis, reduction=add), None]
     # No adding scatter before opset 16: hits[..., p, j, ...] says that entry j of a fiber reads position p.
     # The mask is boolean and forward-only; the Where that selects dy is as large as dy times the axis size.
-    d = _dim(ctx, x, axis)
-    idx = _as_int64(ctx, indices)
-    wrapped = op.Where(op.Less(idx, _scalar(ctx, 0)), op.Add(idx, d), idx)
-    along = op.Range(_scalar(ctx, 0), op.Squeeze(d), _scalar(ctx, 1))
+    d = ctx.dim_tensor(x, axis)
+    idx = ctx.as_int64(indices)
+    wrapped = op.Where(op.Less(idx, ctx.int64(0)), op.Add(idx, d), idx)
+    along = op.Range(ctx.int64(0), op.Squeeze(d), ctx.int64(1))
     along = op.Reshape(along, op.ints([-1] + [1] * (rank - axis)))
     hits = op.Equal(op.Unsqueeze(wrapped, op.ints([axis])), along)
     picked = op.Where(hits, op.Unsqueeze(gy, op.ints([axis])), ctx.const_like(0.0, x))
@@ -232,14 +226,14 @@ def _index_tuples(ctx, data, indices, batch_dims: int):
             sizes = op.ints(dims)
         else:
             sizes = op.Slice(op.Shape(data), op.ints([batch_dims]), op.ints([batch_dims + k]))
-        tuples = op.Where(op.Less(indices, _scalar(ctx, 0)), op.Add(indices, sizes), indices)
+        tuples = op.Where(op.Less(indices, ctx.int64(0)), op.Add(indices, sizes), indices)
     if not batch_dims:
         return tuples, known
     # Coordinates of each batch position, broadcast over the index dims: [..., batch_dims] then the tuple.
     grid_shape = op.Concat(op.Slice(op.Shape(indices), op.ints([0]), op.ints([q - 1])), op.ints([1]), axis=0)
     coords = []
     for t in range(batch_dims):
-        along = op.Range(_scalar(ctx, 0), op.Squeeze(_dim(ctx, data, t)), _scalar(ctx, 1))
+        along = op.Range(ctx.int64(0), op.Squeeze(ctx.dim_tensor(data, t)), ctx.int64(1))
         along = op.Reshape(along, op.ints([-1 if a == t else 1 for a in range(q)]))
         coords.append(op.Expand(along, grid_shape))
     return op.Concat(*coords, tuples, axis=-1), None
@@ -253,7 +247,7 @@ def gather_nd(ctx):
     batch_dims = ctx.attr("batch_dims", 0)
     tuples, known = _index_tuples(ctx, x, indices, batch_dims)
     if known is not None and not batch_dims and not _repeated_rows(known, x.shape[:known.shape[-1]]):
-        return [op.ScatterND(_zeros(ctx, ctx.shape_of(x), x), tuples, gy), None]
+        return [op.ScatterND(ctx.zeros(ctx.shape_of(x), x), tuples, gy), None]
     # Number the addressed slices of x row-major, and add dy's slices into that many rows.
     depth = batch_dims + indices.shape[-1]
     lead = x.shape[:depth]
@@ -263,9 +257,9 @@ def gather_nd(ctx):
     else:  # row-major strides of the addressed dims, multiplied up at run time
         steps = [op.ints([1])]
         for t in range(depth - 1, 0, -1):
-            steps.insert(0, op.Mul(steps[0], _dim(ctx, x, t)))
+            steps.insert(0, op.Mul(steps[0], ctx.dim_tensor(x, t)))
         strides = op.Concat(*steps, axis=0) if depth > 1 else steps[0]
-        count = op.Mul(steps[0], _dim(ctx, x, 0))
+        count = op.Mul(steps[0], ctx.dim_tensor(x, 0))
     flat = op.Reshape(op.ReduceSum(op.Mul(tuples, strides), op.ints([-1]), keepdims=0), op.ints([-1]))
     rows = op.Reshape(gy, op.Concat(op.Reshape(op.Size(flat), op.ints([1])), op.ints([-1]), axis=0))
     return [ctx.reshape_like(ctx.scatter_add_rows(count, flat, rows, x), x), None]
@@ -273,7 +267,7 @@ def gather_nd(ctx):
 
 # -- scatters --------------------------------------------------------------------------------------------------
 def _scatter_reduction(ctx) -> str:
-    reduction = _text(ctx, "reduction", "none")
+    reduction = ctx.text_attr("reduction", "none")
     if reduction not in ("none", "add"):
         raise ctx.unsupported(f"reduction={reduction!r}: only 'none' and 'add' have gradient rules")
     return reduction
@@ -287,7 +281,7 @@ def _scatter_nd_grad(ctx):
         if reduction == "add":
             grads[0] = gy
         else:  # overwritten positions take no gradient back to data
-            grads[0] = op.ScatterND(gy, indices, _zeros(ctx, ctx.shape_of(updates), updates))
+            grads[0] = op.ScatterND(gy, indices, ctx.zeros(ctx.shape_of(updates), updates))
     if ctx.needs(2):
         grads[2] = op.GatherND(gy, indices)
     return _others_none(ctx, grads)
@@ -316,7 +310,7 @@ def _scatter_elements_grad(ctx):
         if reduction == "add":
             grads[0] = gy
         else:
-            grads[0] = op.ScatterElements(gy, indices, _zeros(ctx, ctx.shape_of(updates), updates), axis=axis)
+            grads[0] = op.ScatterElements(gy, indices, ctx.zeros(ctx.shape_of(updates), updates), axis=axis)
     if ctx.needs(2):
         grads[2] = op.GatherElements(gy, indices, axis=axis)
     return _others_none(ctx, grads)
@@ -334,3 +328,32 @@ def scatter_elements_13(ctx):
 def scatter_elements_16(ctx):
     """none: d_data = dy zeroed at indices; add: d_data = dy; both: d_updates = gather_elements(dy, indices)"""
     return _scatter_elements_grad(ctx)
+
+
+@rule("TensorScatter", since=24, wrt=(0, 1))
+def tensor_scatter(ctx):
+    """y = past with update written at write_indices[b] + s along axis: dpast = dy with those places 0
+    (a TensorScatter of zeros), dupdate = dy at those places (GatherElements)"""
+    op = ctx.op
+    past, update, where = ctx.I(0), ctx.I(1), ctx.I(2)
+    gy = ctx.GO(0)
+    rank = ctx.rank(past)
+    axis = ctx.normalize_axis(ctx.attr("axis", -2), rank)
+    mode = ctx.attr("mode", "linear")
+    mode = mode.decode() if isinstance(mode, bytes) else mode
+    gp = gu = None
+    if ctx.needs(0):
+        gp = op.TensorScatter(gy, ctx.zeros_like(update), where, axis=axis, mode=mode)
+    if ctx.needs(1):
+        # the place of update[b, ..., s, ...] in the cache: write_indices[b] + s (modulo the cache length)
+        along = [1] * rank
+        along[axis] = -1
+        steps = op.Reshape(op.Range(ctx.int64(0), ctx.dim_scalar(ctx.dim(update, axis)), ctx.int64(1)),
+                           op.ints(along))
+        places = steps
+        if where is not None:
+            places = op.Add(op.Reshape(where, op.ints([-1] + [1] * (rank - 1))), steps)
+        if mode == "circular":
+            places = op.Mod(places, op.Reshape(ctx.dim_scalar(ctx.dim(past, axis)), op.ints([1])))
+        gu = op.GatherElements(gy, op.Expand(places, ctx.shape_of(update)), axis=axis)
+    return [gp, gu, None][:ctx.num_inputs]

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
-from .. import unroll
+from .. import lowering
 from ..builder import Builder
 from ..errors import UnsupportedError
 from ..gradient import differentiate, reaching_heads
@@ -26,7 +26,7 @@ from ..ir import (Graph, Node, Value, attach_implicit_inputs, constant_value, fr
                   names_defined_in, outer_references)
 from ..registry import rule
 from ..shapes import type_everything
-from .control import _draws_random, _needed_nodes, _renamed
+from .subgraphs import draws_random, needed_nodes, renamed_copy
 
 
 @rule("Scan", since=13, limits="opset 8's batched form refused; tensor carries and scan values only; "
@@ -51,7 +51,7 @@ def scan(ctx):
     body = node.attr("body")
 
     renamed = {name: op.names.fresh(name) for name in sorted(names_defined_in(body))}
-    sub = _typed_body(_renamed(body, renamed), op.graph, _body_input_types(node, body, n, in_axes))
+    sub = _typed_body(renamed_copy(body, renamed), op.graph, _body_input_types(node, body, n, in_axes))
     state_ins, slice_ins = sub.inputs[:n], sub.inputs[n:n + m]
     sub_outs = sub.outputs
     seeds_state = [_carry_seed(op, v) for v in state_ins]
@@ -140,7 +140,7 @@ def loop(ctx):
     renamed = {name: op.names.fresh(name) for name in sorted(names_defined_in(body))}
     types = [(TensorProto.INT64, ()), (TensorProto.BOOL, ())]
     types += [(v.elem_type, v.shape) if v is not None else (None, None) for v in node.inputs[2:]]
-    sub = _typed_body(_renamed(body, renamed), op.graph, types)
+    sub = _typed_body(renamed_copy(body, renamed), op.graph, types)
     iter_in, cond_in, carried_in = sub.inputs[0], sub.inputs[1], sub.inputs[2:2 + n]
     sub_outs = sub.outputs
     prefix = f"{node.name or 'Loop'}_grad"
@@ -348,7 +348,7 @@ def _carry_seed(op: Builder, v: Value) -> Value | None:
 def _differentiate_body(ctx, sub: Graph, heads: list, wrt: list[Value], where: str):
     head_values, seeds = [h for h, _ in heads], [s for _, s in heads]
     try:
-        unroll.lower_for_gradient(sub, head_values)
+        lowering.lower_for_gradient(sub, head_values)
         return differentiate(sub, head_values, seeds, wrt, ctx.op.names, reaching_heads(sub, head_values))
     except UnsupportedError as e:
         raise UnsupportedError(f"{where}: {e}") from None
@@ -394,9 +394,9 @@ def _define(sub: Graph, op: Builder, op_type: str, inputs: list[Value], target: 
 
 def _body_proto(ctx, sub: Graph, inputs: list[Value], outputs: list[Value], name: str, where: str):
     """The backward body: the nodes the outputs need, typed, with the given inputs and outputs."""
-    kept = _needed_nodes(sub, outputs)
+    kept = needed_nodes(sub, outputs)
     for n in kept:
-        if _draws_random(n, [sub, ctx.op.graph]):
+        if draws_random(n, [sub, ctx.op.graph]):
             raise UnsupportedError(
                 f"no gradient for {ctx.node.op_type} node {ctx.node.name!r}: {n.op_type} node {n.name!r} {where} "
                 f"draws random numbers, and the backward recomputes the body, so it would draw different ones; "

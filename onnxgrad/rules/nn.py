@@ -13,11 +13,6 @@ from onnx import TensorProto
 from ..registry import rule
 
 
-def _text(ctx, name: str, default: str) -> str:
-    value = ctx.attr(name, default)
-    return value.decode() if isinstance(value, bytes) else value
-
-
 @rule("Softmax", since=13)
 def softmax(ctx):
     """dx = dy*y - sum(dy*y, axis) * y"""
@@ -45,7 +40,7 @@ def _picked_grad(ctx, x):
     """
     op = ctx.op
     labels, weight, gl = ctx.I(1), ctx.I(2), ctx.GO(0)
-    reduction = _text(ctx, "reduction", "mean")
+    reduction = ctx.text_attr("reduction", "mean")
     ignore_index = ctx.attr("ignore_index")
     if reduction not in ("none", "sum", "mean"):
         raise ctx.unsupported(f"reduction={reduction!r}")

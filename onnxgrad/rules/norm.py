@@ -1,4 +1,4 @@
-"""Gradient rules: normalization (layer, batch in inference form, instance, group) and dropout.
+"""Gradient rules: normalization (layer, batch in inference form, instance, group, RMS) and dropout.
 
 The normalizations share one input gradient. With xhat = (x - mean) * r, r = 1 / sqrt(var + eps), and g the
 gradient reaching xhat (dy times the scale), dx = r * (g - mean(g)) - r^3 * mean(g * (x - mean)) * (x - mean).
@@ -7,6 +7,7 @@ form PyTorch's CPU kernel uses, and dscale's dy*xhat as (dy*x - dy*mean)*r, so e
 the gradient and none keeps a centred copy of x alive. The price is cancellation when |mean| >> std (relative
 error about eps * |mean| / std), as in PyTorch. The statistics (mean and r, one value per normalized row) are
 read from the forward node's optional outputs or recomputed from x: the only forward-only results, and small.
+RMSNormalization (opset 23) is the same form without the mean: dx = g*r - x*k with k = r^3 * mean(g*x).
 """
 from __future__ import annotations
 
@@ -23,14 +24,6 @@ def _mean(ctx, v, axes):
     if ctx.opset >= 18:
         return ctx.op.ReduceMean(v, ctx.op.ints(axes), keepdims=1)
     return ctx.op.ReduceMean(v, axes=list(axes), keepdims=1)
-
-
-def _cast(ctx, v, from_type: int, to_type: int):
-    """v converted between two known element types (Cast, not CastLike: these rules start at opset 13).
-
-    Values built by rules carry no element type, so callers name the type they know v has.
-    """
-    return v if v is None or from_type == to_type else ctx.op.Cast(v, to=to_type)
 
 
 def _statistics(ctx, x, axes, eps, elem_type):
@@ -96,26 +89,26 @@ def layer_normalization(ctx):
     axes = list(range(ctx.normalize_axis(ctx.attr("axis", -1), rank), rank))
     x_type, y_type = ctx.elem_type(x), ctx.elem_type(y)
     work = _work_type(ctx, x, ctx.attr("stash_type", TensorProto.FLOAT))
-    xw = _cast(ctx, x, x_type, work)
-    gyw = _cast(ctx, ctx.GO_or_zeros(0), y_type, work)
+    xw = ctx.cast(x, x_type, work)
+    gyw = ctx.cast(ctx.GO_or_zeros(0), y_type, work)
     mean_out, r_out = _output(ctx, 1), _output(ctx, 2)
     if mean_out is not None and r_out is not None:
-        mean = _cast(ctx, mean_out, ctx.elem_type(mean_out), work)
-        r = _cast(ctx, r_out, ctx.elem_type(r_out), work)
+        mean = ctx.cast(mean_out, ctx.elem_type(mean_out), work)
+        r = ctx.cast(r_out, ctx.elem_type(r_out), work)
     else:
         mean, r = _statistics(ctx, xw, axes, ctx.attr("epsilon", 1e-5), work)
     gx = gs = gb = None
     if ctx.needs(0):
-        g_mean = _cast(ctx, ctx.GO(1), mean_out and ctx.elem_type(mean_out), work)
-        g_r = _cast(ctx, ctx.GO(2), r_out and ctx.elem_type(r_out), work)
+        g_mean = ctx.cast(ctx.GO(1), mean_out and ctx.elem_type(mean_out), work)
+        g_r = ctx.cast(ctx.GO(2), r_out and ctx.elem_type(r_out), work)
         count = _count(ctx, x, mean_out or r_out, work) if (g_mean is not None or g_r is not None) else None
-        g = op.Mul(gyw, _cast(ctx, scale, ctx.elem_type(scale), work))
-        gx = _cast(ctx, _normalized_grad(ctx, xw, g, mean, r, axes, g_mean, g_r, count), work, x_type)
+        g = op.Mul(gyw, ctx.cast(scale, ctx.elem_type(scale), work))
+        gx = ctx.cast(_normalized_grad(ctx, xw, g, mean, r, axes, g_mean, g_r, count), work, x_type)
     if ctx.needs(1):
-        scaled = _cast(ctx, _xhat_times(ctx, gyw, xw, mean, r), work, ctx.elem_type(scale))
+        scaled = ctx.cast(_xhat_times(ctx, gyw, xw, mean, r), work, ctx.elem_type(scale))
         gs = ctx.unbroadcast(scaled, scale)
     if ctx.needs(2):
-        gb = ctx.unbroadcast(_cast(ctx, ctx.GO_or_zeros(0), y_type, ctx.elem_type(ctx.I(2))), ctx.I(2))
+        gb = ctx.unbroadcast(ctx.cast(ctx.GO_or_zeros(0), y_type, ctx.elem_type(ctx.I(2))), ctx.I(2))
     return [gx, gs, gb][:ctx.num_inputs]
 
 
@@ -133,18 +126,18 @@ def batch_normalization(ctx):
     rank = ctx.rank(x)
     x_type, scale_type = ctx.elem_type(x), ctx.elem_type(scale)
     axes = op.ints([0, *range(2, rank)])
-    mean = _cast(ctx, ctx.I(3), ctx.elem_type(ctx.I(3)), x_type)
-    var = _cast(ctx, ctx.I(4), ctx.elem_type(ctx.I(4)), x_type)
+    mean = ctx.cast(ctx.I(3), ctx.elem_type(ctx.I(3)), x_type)
+    var = ctx.cast(ctx.I(4), ctx.elem_type(ctx.I(4)), x_type)
     r = op.Reciprocal(op.Sqrt(op.Add(var, op.const(ctx.attr("epsilon", 1e-5), x_type))))  # per channel
     gx = gs = gb = None
     if ctx.needs(0):
-        gx = op.Mul(gy, _channel_view(ctx, op.Mul(_cast(ctx, scale, scale_type, x_type), r), rank))
+        gx = op.Mul(gy, _channel_view(ctx, op.Mul(ctx.cast(scale, scale_type, x_type), r), rank))
     total = op.ReduceSum(gy, axes, keepdims=0) if ctx.needs(1) or ctx.needs(2) else None  # one pass for both
     if ctx.needs(1):
         weighted = op.ReduceSum(op.Mul(gy, x), axes, keepdims=0)
-        gs = _cast(ctx, op.Mul(op.Sub(weighted, op.Mul(total, mean)), r), x_type, scale_type)
+        gs = ctx.cast(op.Mul(op.Sub(weighted, op.Mul(total, mean)), r), x_type, scale_type)
     if ctx.needs(2):
-        gb = _cast(ctx, total, x_type, ctx.elem_type(bias))
+        gb = ctx.cast(total, x_type, ctx.elem_type(bias))
     return [gx, gs, gb, None, None]
 
 
@@ -162,13 +155,13 @@ def _batch_normalization_training(ctx):
     mean, r = _statistics(ctx, x, axes, ctx.attr("epsilon", 1e-5), x_type)  # the batch's, shaped (1, C, 1, ...)
     gx = gs = gb = None
     if ctx.needs(0):
-        g = op.Mul(gy, _channel_view(ctx, _cast(ctx, scale, scale_type, x_type), rank))
+        g = op.Mul(gy, _channel_view(ctx, ctx.cast(scale, scale_type, x_type), rank))
         gx = _normalized_grad(ctx, x, g, mean, r, axes)
     if ctx.needs(1):
-        gs = _cast(ctx, op.ReduceSum(_xhat_times(ctx, gy, x, mean, r), op.ints(axes), keepdims=0), x_type,
+        gs = ctx.cast(op.ReduceSum(_xhat_times(ctx, gy, x, mean, r), op.ints(axes), keepdims=0), x_type,
                    scale_type)
     if ctx.needs(2):
-        gb = _cast(ctx, op.ReduceSum(gy, op.ints(axes), keepdims=0), x_type, ctx.elem_type(bias))
+        gb = ctx.cast(op.ReduceSum(gy, op.ints(axes), keepdims=0), x_type, ctx.elem_type(bias))
     return [gx, gs, gb, None, None]
 
 
@@ -202,20 +195,56 @@ def group_normalization(ctx):
     x_type, scale_type = ctx.elem_type(x), ctx.elem_type(scale)
     work = _work_type(ctx, x, ctx.attr("stash_type", TensorProto.FLOAT))
     grouped = op.ints([0, ctx.attr("num_groups"), -1])
-    gyw = _cast(ctx, gy, x_type, work)  # Y has X's type
-    xg, gyg = op.Reshape(_cast(ctx, x, x_type, work), grouped), op.Reshape(gyw, grouped)
+    gyw = ctx.cast(gy, x_type, work)  # Y has X's type
+    xg, gyg = op.Reshape(ctx.cast(x, x_type, work), grouped), op.Reshape(gyw, grouped)
     mean, r = _statistics(ctx, xg, [2], ctx.attr("epsilon", 1e-5), work)
     channel_axes = op.ints([0, *range(2, rank)])
     gx = gs = gb = None
     if ctx.needs(0):
-        g = op.Reshape(op.Mul(gyw, _channel_view(ctx, _cast(ctx, scale, scale_type, work), rank)), grouped)
-        gx = _cast(ctx, ctx.reshape_like(_normalized_grad(ctx, xg, g, mean, r, [2]), x), work, x_type)
+        g = op.Reshape(op.Mul(gyw, _channel_view(ctx, ctx.cast(scale, scale_type, work), rank)), grouped)
+        gx = ctx.cast(ctx.reshape_like(_normalized_grad(ctx, xg, g, mean, r, [2]), x), work, x_type)
     if ctx.needs(1):
         scaled = ctx.reshape_like(_xhat_times(ctx, gyg, xg, mean, r), x)
-        gs = _cast(ctx, op.ReduceSum(scaled, channel_axes, keepdims=0), work, scale_type)
+        gs = ctx.cast(op.ReduceSum(scaled, channel_axes, keepdims=0), work, scale_type)
     if ctx.needs(2):
-        gb = _cast(ctx, op.ReduceSum(gy, channel_axes, keepdims=0), x_type, ctx.elem_type(ctx.I(2)))
+        gb = ctx.cast(op.ReduceSum(gy, channel_axes, keepdims=0), x_type, ctx.elem_type(ctx.I(2)))
     return [gx, gs, gb]
+
+
+@rule("RMSNormalization", since=23)
+def rms_normalization(ctx):
+    """y = x * r * scale, r = 1/sqrt(mean(x^2) + eps): dx = g*r - x * r^3 * mean(g*x) with g = dy*scale,
+    dscale = sum(dy * x * r)"""
+    op = ctx.op
+    x, scale, y = ctx.I(0), ctx.I(1), ctx.O(0)
+    rank = ctx.rank(x)
+    axes = op.ints(range(ctx.normalize_axis(ctx.attr("axis", -1), rank), rank))
+    x_type = ctx.elem_type(x)
+    work = _work_type(ctx, x, ctx.attr("stash_type", TensorProto.FLOAT))
+    xw = ctx.cast(x, x_type, work)
+    gy = ctx.cast(ctx.GO(0), ctx.elem_type(y), work)
+    # r from a sum of squares: a per-row statistic, with no input-sized intermediate
+    count = _row_count(ctx, x, work)
+    r = op.Reciprocal(op.Sqrt(op.Add(op.Div(op.ReduceSumSquare(xw, axes, keepdims=1), count),
+                                     op.const(ctx.attr("epsilon", 1e-5), work))))
+    gx = gs = None
+    if ctx.needs(0):
+        g = op.Mul(gy, ctx.cast(scale, ctx.elem_type(scale), work))
+        k = op.Mul(op.Mul(op.Mul(op.Div(op.ReduceSum(op.Mul(g, xw), axes, keepdims=1), count), r), r), r)
+        gx = ctx.cast(op.Sub(op.Mul(g, r), op.Mul(xw, k)), work, x_type)
+    if ctx.needs(1):
+        gs = ctx.unbroadcast(ctx.cast(op.Mul(op.Mul(gy, xw), r), work, ctx.elem_type(scale)), scale)
+    return [gx, gs]
+
+
+def _row_count(ctx, x, elem_type):
+    """Elements per normalized row, from the axis attribute (RMSNormalization has no statistic output to divide
+    by): static where the shape is, else the product of Shape(x)[axis:]."""
+    first = ctx.normalize_axis(ctx.attr("axis", -1), ctx.rank(x))
+    dims = x.shape[first:]
+    if all(isinstance(d, int) for d in dims):
+        return ctx.op.const(float(np.prod(dims)), elem_type)
+    return ctx.op.Cast(ctx.op.ReduceProd(ctx.op.Shape(x, start=first), keepdims=0), to=elem_type)
 
 
 @rule("Dropout", since=13, wrt=(0,), limits="training mode uses the mask output (added when absent)")
@@ -237,7 +266,7 @@ def dropout(ctx):
     if ratio is None:
         keep = ctx.const_like(0.5, x)
     else:
-        keep = op.Sub(ctx.const_like(1.0, x), _cast(ctx, ratio, ctx.elem_type(ratio), ctx.elem_type(x)))
+        keep = op.Sub(ctx.const_like(1.0, x), ctx.cast(ratio, ctx.elem_type(ratio), ctx.elem_type(x)))
     if known is None:  # training_mode decided at run time: no scaling when it is false
         keep = op.Where(training, keep, ctx.const_like(1.0, x))
     return [op.Div(kept, keep), *rest]

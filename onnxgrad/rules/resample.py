@@ -14,11 +14,6 @@ import numpy as np
 from ..registry import rule
 
 
-def _text(ctx, name: str, default: str) -> str:
-    value = ctx.attr(name, default)
-    return value.decode() if isinstance(value, bytes) else value
-
-
 # -- Resize ----------------------------------------------------------------------------------------------------
 def _source_coordinates(ctx, coord: str, size: int, out: int, scale: float, roi) -> np.ndarray:
     """Where each output position along one axis reads the input (x_original of the ONNX spec)."""
@@ -66,12 +61,12 @@ def _cubic_weights(t: np.ndarray, a: float) -> np.ndarray:
 
 def _resize_matrix(ctx, mode: str, size: int, out: int, scale: float, roi) -> np.ndarray:
     """M (out x in) with y = M @ x along one axis."""
-    coord = _text(ctx, "coordinate_transformation_mode", "half_pixel")
+    coord = ctx.text_attr("coordinate_transformation_mode", "half_pixel")
     x = _source_coordinates(ctx, coord, size, out, scale, roi)
     rows = np.arange(out)
     m = np.zeros((out, size))
     if mode == "nearest":
-        taps = _nearest(ctx, x, _text(ctx, "nearest_mode", "round_prefer_floor"))[:, None]
+        taps = _nearest(ctx, x, ctx.text_attr("nearest_mode", "round_prefer_floor"))[:, None]
         weights = np.ones((out, 1))
     elif mode == "linear":
         inside = np.clip(x, 0, size - 1)
@@ -108,9 +103,9 @@ def _resize_plan(ctx):
     """{axis: M} for every axis Resize changes, from its scales or sizes, axes, roi and aspect-ratio policy."""
     x, y = ctx.I(0), ctx.O(0)
     rank = ctx.rank(x)
-    mode = _text(ctx, "mode", "nearest")
-    coord = _text(ctx, "coordinate_transformation_mode", "half_pixel")
-    policy = _text(ctx, "keep_aspect_ratio_policy", "stretch")
+    mode = ctx.text_attr("mode", "nearest")
+    coord = ctx.text_attr("coordinate_transformation_mode", "half_pixel")
+    policy = ctx.text_attr("keep_aspect_ratio_policy", "stretch")
     listed = ctx.attr("axes")  # the axes that scales, sizes and roi describe, in their order
     listed = list(range(rank)) if listed is None else [ctx.normalize_axis(a, rank) for a in listed]
     scales, sizes, roi = ctx.const_input(2), ctx.const_input(3), ctx.const_input(1)
@@ -210,7 +205,7 @@ def depth_to_space(ctx):
     x, op = ctx.I(0), ctx.op
     b = ctx.attr("blocksize")
     g = op.SpaceToDepth(ctx.GO(0), blocksize=b)
-    if _text(ctx, "mode", "DCR") == "DCR":
+    if ctx.text_attr("mode", "DCR") == "DCR":
         return [g]
     channels = x.shape[1] if x.shape is not None and len(x.shape) == 4 else None
     if not isinstance(channels, int):
@@ -223,6 +218,6 @@ def depth_to_space(ctx):
 @rule("SpaceToDepth", since=13, limits="mode CRD (opset 28)")
 def space_to_depth(ctx):
     """dx = DepthToSpace(dy, mode=DCR), its inverse"""
-    if _text(ctx, "mode", "DCR") != "DCR":
+    if ctx.text_attr("mode", "DCR") != "DCR":
         raise ctx.unsupported("mode CRD (its inverse has no checked rule here)")
     return [ctx.op.DepthToSpace(ctx.GO(0), blocksize=ctx.attr("blocksize"), mode="DCR")]

@@ -13,7 +13,7 @@ except for Gather's one-hot matrix (tables of up to 512 rows, and every table at
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from ..registry import rule
 
@@ -27,23 +27,7 @@ def _first_only(ctx, g):
     return [g] + [None] * (ctx.num_inputs - 1)
 
 
-def _reshape_to(ctx, g, like):
-    """Reshape g to like's shape; allowzero keeps a 0 in the target shape meaning 0 (opset 14+)."""
-    if ctx.opset >= 14:
-        return ctx.op.Reshape(g, ctx.shape_of(like), allowzero=1)
-    return ctx.reshape_like(g, like)
 
-
-def _scalar(ctx, value: int):
-    return ctx.op.const(np.int64(value), TensorProto.INT64)
-
-
-def _dim(ctx, v, axis: int):
-    """v's size along axis as a 1-D int64 tensor of one element: a constant when known, else read at run time."""
-    d = v.shape[axis] if v.shape is not None else None
-    if isinstance(d, int):
-        return ctx.op.ints([d])
-    return ctx.op.Gather(ctx.op.Shape(v), ctx.op.ints([axis]))
 
 
 def _shape_from(ctx, g, start: int):
@@ -53,13 +37,6 @@ def _shape_from(ctx, g, start: int):
     return ctx.op.Slice(ctx.op.Shape(g), ctx.op.ints([start]), ctx.op.ints([INT64_MAX]))
 
 
-def _zeros(ctx, shape, like):
-    """Zeros of a run-time shape with like's element type."""
-    return ctx.op.ConstantOfShape(shape, value=helper.make_tensor("", ctx.elem_type(like), [1], [0]))
-
-
-def _as_int64(ctx, v):
-    return v if v.elem_type == TensorProto.INT64 else ctx.op.Cast(v, to=TensorProto.INT64)
 
 
 def _move_axis_to_front(rank: int, axis: int) -> tuple[list[int], list[int]]:
@@ -73,7 +50,7 @@ def _scatter_along(ctx, g, positions, d, axis: int, rank: int, like):
     op = ctx.op
     perm, back = _move_axis_to_front(rank, axis)
     moved = op.Transpose(g, perm=perm) if axis else g
-    zeros = _zeros(ctx, op.Concat(d, _shape_from(ctx, moved, 1), axis=0), like)
+    zeros = ctx.zeros(op.Concat(d, _shape_from(ctx, moved, 1), axis=0), like)
     placed = op.ScatterND(zeros, op.Unsqueeze(positions, op.ints([1])), moved)
     return op.Transpose(placed, perm=back) if axis else placed
 
@@ -91,20 +68,20 @@ def transpose(ctx):
 @rule("Reshape", since=13, wrt=(0,))
 def reshape(ctx):
     """dx = reshape(dy, shape(x))"""
-    return _first_only(ctx, _reshape_to(ctx, ctx.GO(0), ctx.I(0)))
+    return _first_only(ctx, ctx.reshape_like(ctx.GO(0), ctx.I(0)))
 
 
 @rule("Flatten", since=13)
 def flatten(ctx):
     """dx = reshape(dy, shape(x))"""
-    return [_reshape_to(ctx, ctx.GO(0), ctx.I(0))]
+    return [ctx.reshape_like(ctx.GO(0), ctx.I(0))]
 
 
 @rule("Squeeze", since=13, wrt=(0,))
 def squeeze(ctx):
     """dx = unsqueeze(dy, axes), or reshape(dy, shape(x)) when every 1 was squeezed"""
     if ctx.I(1) is None:
-        return [_reshape_to(ctx, ctx.GO(0), ctx.I(0))]
+        return [ctx.reshape_like(ctx.GO(0), ctx.I(0))]
     return [ctx.op.Unsqueeze(ctx.GO(0), ctx.I(1)), None]
 
 
@@ -154,7 +131,7 @@ def concat(ctx):
         if isinstance(start, int) and isinstance(size, int):
             end = start + size
         else:
-            size_v = _dim(ctx, x, axis)
+            size_v = ctx.dim_tensor(x, axis)
             end = op.Add(op.ints([start]) if isinstance(start, int) else start, size_v)
         if ctx.needs(i):
             as_value = [op.ints([b]) if isinstance(b, int) else b for b in (start, end)]
@@ -221,8 +198,8 @@ def slice_(ctx):
                 scatters.append((axis, positions, op.ints([d])))
         else:
             # The forward Slice applied to 0..d-1 lists the positions it picks, clamping included.
-            size = _dim(ctx, x, axis)
-            positions = op.Slice(op.Range(_scalar(ctx, 0), op.Squeeze(size), _scalar(ctx, 1)),
+            size = ctx.dim_tensor(x, axis)
+            positions = op.Slice(op.Range(ctx.int64(0), op.Squeeze(size), ctx.int64(1)),
                                  *(_slice_param(ctx, k, j) for k in (1, 2)), op.ints([0]),
                                  _slice_param(ctx, 4, j))
             scatters.append((axis, positions, size))
@@ -256,7 +233,7 @@ def _slice_param(ctx, i: int, j: int):
         return ctx.op.ints([1])
     if value is not None:
         return ctx.op.ints([int(value.reshape(-1)[j])])
-    return ctx.op.Gather(_as_int64(ctx, ctx.I(i)), ctx.op.ints([j]))
+    return ctx.op.Gather(ctx.as_int64(ctx.I(i)), ctx.op.ints([j]))
 
 
 @rule("Gather", since=13, wrt=(0,),
@@ -266,7 +243,7 @@ def gather(ctx):
     x, indices, g, op = ctx.I(0), ctx.I(1), ctx.GO(0), ctx.op
     rank, q = ctx.rank(x), ctx.rank(indices)
     axis = ctx.normalize_axis(ctx.attr("axis", 0), rank)
-    d = _dim(ctx, x, axis)
+    d = ctx.dim_tensor(x, axis)
 
     # Bring dy's index dims to the front: [indices..., x dims before axis..., x dims after axis...].
     perm = list(range(axis, axis + q)) + list(range(axis)) + list(range(axis + q, rank - 1 + q))
@@ -281,13 +258,13 @@ def gather(ctx):
         positions = op.const(wrapped[..., None], TensorProto.INT64)
         repeats = np.unique(wrapped).size != wrapped.size
     else:
-        idx = _as_int64(ctx, indices)
-        wrapped = op.Where(op.Less(idx, _scalar(ctx, 0)), op.Add(idx, op.Squeeze(d)), idx)
+        idx = ctx.as_int64(indices)
+        wrapped = op.Where(op.Less(idx, ctx.int64(0)), op.Add(idx, op.Squeeze(d)), idx)
         positions = op.Unsqueeze(wrapped, op.ints([-1]))
         repeats = True
 
     if not repeats:
-        placed = op.ScatterND(_zeros(ctx, op.Concat(d, rest, axis=0), x), positions, moved)
+        placed = op.ScatterND(ctx.zeros(op.Concat(d, rest, axis=0), x), positions, moved)
     else:
         summed = ctx.scatter_add_rows(d, op.Reshape(positions, op.ints([-1])), op.Flatten(moved, axis=q), x)
         placed = op.Reshape(summed, op.Concat(d, rest, axis=0))

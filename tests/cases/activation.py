@@ -81,3 +81,16 @@ CASES = [
     Case("Sin", [(2, 3)], sampler=spread((-4.0, 4.0))),
     Case("Cos", [(2, 3)], sampler=spread((-4.0, 4.0))),
 ]
+
+CASES += [
+    # Swish (opset 24)
+    Case("Swish", [(2, 3)], id="Swish", opset=24),
+    Case("Swish", [(2, 3)], {"alpha": 0.7}, id="Swish-alpha", opset=24),
+]
+
+# SwiGLU (opset 28): no onnxruntime runs opset 28 yet, so it is checked against the reference evaluator by
+# tests/test_opset23.py
+REFERENCE_CASES = [
+    Case("SwiGLU", [(2, 3), (2, 3)], id="SwiGLU", opset=28),
+    Case("SwiGLU", [(2, 3), (2, 3)], {"alpha": 1.7}, id="SwiGLU-alpha", opset=28),
+]

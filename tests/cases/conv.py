@@ -171,3 +171,15 @@ CASES += [
     Case("MaxPool", [(1, 2, 4, 5)], {"kernel_shape": [2, 2], "storage_order": 1},
          output_names=["out0", "indices"], sampler=distinct, id="MaxPool-indices-output-storage-order1"),
 ]
+
+# checked against the onnx reference evaluator by tests/test_opset23.py
+REFERENCE_CASES = [
+    # CausalConvWithState (opset 27, float32 only): a Mamba / Gated DeltaNet causal depthwise conv with a carried
+    # state (which the schema makes non-differentiable)
+    Case("CausalConvWithState", [(2, 3, 4), (3, 1, 3), (3,), np.linspace(-1, 1, 12).reshape(2, 3, 2)], outputs=2,
+         output_names=["out0", "present"], id="CausalConv-past-present", opset=27, dtype=np.float32, tol=2e-3),
+    Case("CausalConvWithState", [(1, 2, 5), (2, 1, 4)], outputs=2, output_names=["out0", "present"],
+         id="CausalConv-no-state", opset=27, dtype=np.float32, tol=2e-3),
+    Case("CausalConvWithState", [(2, 2, 3), (2, 1, 2), (2,)], {"activation": "silu"}, outputs=2,
+         output_names=["out0", "present"], id="CausalConv-silu", opset=27, dtype=np.float32, tol=2e-3),
+]

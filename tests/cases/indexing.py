@@ -234,3 +234,11 @@ CASES += [
     edited(case("ScatterElements", "symbolic", [X34, i64([[1, 0, 2, 1]]), (1, 4)], axis=0),
            symbolic({0: {0: "R"}, 2: {0: "U"}})),
 ]
+
+CASES += [
+    # TensorScatter (opset 24): a key/value cache update
+    Case("TensorScatter", [(2, 2, 5, 3), (2, 2, 2, 3), np.array([1, 3])], id="TensorScatter", opset=24),
+    Case("TensorScatter", [(2, 5, 3), (2, 2, 3), np.array([4, 0])], {"axis": 1, "mode": "circular"},
+         id="TensorScatter-circular-axis1", opset=24),
+    Case("TensorScatter", [(2, 4, 3), (2, 3, 3)], {"axis": 1}, id="TensorScatter-no-indices", opset=24),
+]

@@ -68,3 +68,15 @@ CASES += [
     Case("GroupNormalization", [(2, 4, 3), (4,), (4,)], {"num_groups": 1}, id="GroupNorm-one-group", opset=21, dtype=np.float32, tol=2e-3),
     Case("GroupNormalization", [(2, 8), (8,), (8,)], {"num_groups": 2}, id="GroupNorm-rank2", opset=23, dtype=np.float32, tol=2e-3),
 ]
+
+CASES += [
+    # RMSNormalization
+    Case("RMSNormalization", [(2, 5), (5,)], {"stash_type": 11}, id="RMSNorm", opset=23),
+    Case("RMSNormalization", [(2, 3, 4), (3, 4)], {"axis": 1, "epsilon": 1e-3, "stash_type": 11},
+         id="RMSNorm-axis1", opset=23),
+    Case("RMSNormalization", [(2, 3, 4), (1, 4)], {"axis": -2, "stash_type": 11}, id="RMSNorm-broadcast-scale",
+         opset=23),
+    Case("RMSNormalization", [(2, 3, 4), np.linspace(0.5, 1.5, 4)], {"stash_type": 11}, id="RMSNorm-frozen-scale",
+         opset=24),
+    Case("RMSNormalization", [(2, 4), (4,)], id="RMSNorm-float32-stash", opset=23, dtype=np.float32, tol=2e-3),
+]

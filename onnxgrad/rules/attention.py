@@ -1,5 +1,5 @@
-"""Gradient rules: the ops of opsets 23 and newer (Attention, RMSNormalization, RotaryEmbedding; Swish and
-TensorScatter at 24; CausalConvWithState at 27; SwiGLU at 28).
+"""Gradient rules: attention (Attention at opset 23, with nonpad_kv_seqlen at 24 and sliding windows at 25) and
+RotaryEmbedding (23).
 
 Attention keeps its fused forward kernel and gets a memory-efficient backward: the probabilities P (one
 [B, H, Sq, Skv] tensor per layer) are not kept from the forward pass but recomputed from Q and K inside the
@@ -9,54 +9,22 @@ so the score product and everything after it depend on dY and no execution order
 forward pass, where P would stay alive until the backward. The products are Einsums: they read K and V in their
 own layout (no transposed copies) and sum the query heads of a grouped-query layer into their shared key and
 value head (`bhgqk,bhgqd->bhkd`).
+
+RotaryEmbedding's input gradient is the same op rotating the other way; its cos and sin caches get the
+per-position sums of the pair products, added into the cache rows the positions read.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
 from ..builder import unbroadcast
 from ..registry import rule
 
-_LOW_PRECISION = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
-
-# -- shapes --------------------------------------------------------------------------------------------------
-def _dim(ctx, v, axis: int):
-    """Axis `axis` of v: an int when static, else a 1-element int64 Value (a Shape slice)."""
-    d = v.shape[axis] if v.shape is not None else None
-    if isinstance(d, int):
-        return d
-    axis = axis % ctx.rank(v)
-    return ctx.op.Shape(v, start=axis, end=axis + 1)
-
-
-def _shape(ctx, parts):
-    """A 1-D int64 shape from ints and 1-element Values: a constant when every part is an int."""
-    if all(isinstance(p, int) for p in parts):
-        return ctx.op.ints(parts)
-    return ctx.op.Concat(*[ctx.op.ints([p]) if isinstance(p, int) else p for p in parts], axis=0)
-
-
-def _reshape(ctx, v, parts):
-    """Reshape v; a 0 part copies v's dim at that index (allowzero=0)."""
-    return ctx.op.Reshape(v, _shape(ctx, parts))
-
-
-def _scalar(ctx, d):
-    """A dim (int or 1-element Value) as an int64 scalar."""
-    if isinstance(d, int):
-        return ctx.op.const(np.int64(d), TensorProto.INT64)
-    return ctx.op.Squeeze(d, ctx.op.ints([0]))
-
-
-def _cast(ctx, v, from_type: int, to_type: int):
-    return v if v is None or from_type == to_type else ctx.op.Cast(v, to=to_type)
-
-
-# -- Attention -----------------------------------------------------------------------------------------------
+# -- Attention -------------------------------------------------------------------------------------------------------
 class _Heads:
     """How an Attention node lays out its operands, and the Einsum subscripts that read them in place.
 
@@ -106,23 +74,23 @@ class _Heads:
         ctx = self.ctx
         if self.rank == 3:
             heads = [self.hkv, self.group] if self.group > 1 else [self.hq]
-            return _reshape(ctx, v, [0, 0, *heads, -1])
+            return ctx.reshape(v, [0, 0, *heads, -1])
         if self.group == 1:
             return v
-        return _reshape(ctx, v, [0, self.hkv, self.group, _dim(ctx, like, 2), -1])
+        return ctx.reshape(v, [0, self.hkv, self.group, ctx.dim(like, 2), -1])
 
     def q_unview(self, v, like):
         """A tensor in the layout of q_sub back in the input layout of `like`."""
         ctx = self.ctx
         if self.rank == 3:
-            return _reshape(ctx, v, [0, 0, -1])
+            return ctx.reshape(v, [0, 0, -1])
         if self.group == 1:
             return v
-        return _reshape(ctx, v, [0, self.hq, _dim(ctx, like, 2), -1])
+        return ctx.reshape(v, [0, self.hq, ctx.dim(like, 2), -1])
 
     def k_view(self, v):
         """A 3-D K or V viewed as [B, Skv, H, D]; 4-D ones as they are."""
-        return v if self.rank == 4 else _reshape(self.ctx, v, [0, 0, self.hkv, -1])
+        return v if self.rank == 4 else self.ctx.reshape(v, [0, 0, self.hkv, -1])
 
     def k_as_4d(self, v):
         """K or V as [B, H, Skv, D], the layout of past and present key/value."""
@@ -135,21 +103,21 @@ class _Heads:
             return g
         if self.k_sub == "bhkd":
             g = ctx.op.Transpose(g, perm=[0, 2, 1, 3])
-        return _reshape(ctx, g, [0, 0, -1])
+        return ctx.reshape(g, [0, 0, -1])
 
     def scores_4d(self, s, q):
         """[B, h, g, Sq, Skv] scores (from an Einsum) in the layout the scores are worked on."""
         if not self.flat or self.group == 1:
             return s
-        sq = _dim(self.ctx, q, 2 if self.rank == 4 else 1)
-        return _reshape(self.ctx, s, [0, self.hq, sq, -1])
+        sq = self.ctx.dim(q, 2 if self.rank == 4 else 1)
+        return self.ctx.reshape(s, [0, self.hq, sq, -1])
 
     def scores_grouped(self, s, q):
         """Scores in the layout they are worked on as [B, h, g, Sq, Skv], for an Einsum."""
         if not self.flat or self.group == 1:
             return s
-        sq = _dim(self.ctx, q, 2 if self.rank == 4 else 1)
-        return _reshape(self.ctx, s, [0, self.hkv, self.group, sq, -1])
+        sq = self.ctx.dim(q, 2 if self.rank == 4 else 1)
+        return self.ctx.reshape(s, [0, self.hkv, self.group, sq, -1])
 
     def einsum(self, a_sub: str, b_sub: str, out_sub: str, a, b):
         return self.ctx.op.Einsum(a, b, equation=f"{a_sub},{b_sub}->{out_sub}")
@@ -161,8 +129,8 @@ def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
     no key is allowed (their probabilities are 0, as the op defines; None where no row can be)."""
     op = ctx.op
     mask, nonpad = ctx.I(3), ctx.I(6) if ctx.num_inputs > 6 else None
-    sq = _dim(ctx, q, 2 if heads.rank == 4 else 1)
-    skv = _dim(ctx, kv_total, 2 if heads.rank == 4 or heads.cached else 1)
+    sq = ctx.dim(q, 2 if heads.rank == 4 else 1)
+    skv = ctx.dim(kv_total, 2 if heads.rank == 4 or heads.cached else 1)
     allowed, float_mask = [], None
     if mask is not None:
         padded = mask
@@ -170,8 +138,8 @@ def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
         if not (isinstance(m_len, int) and isinstance(skv, int) and m_len == skv):
             # a shorter last axis is padded to Skv with "not allowed" (-inf for a float mask)
             width = skv - m_len if isinstance(m_len, int) and isinstance(skv, int) else \
-                op.Sub(_shape(ctx, [skv]), op.Shape(mask, start=-1))
-            pads = _shape(ctx, [0] * (ctx.rank(mask) * 2 - 1) + [width])
+                op.Sub(ctx.make_shape([skv]), op.Shape(mask, start=-1))
+            pads = ctx.make_shape([0] * (ctx.rank(mask) * 2 - 1) + [width])
             if mask.elem_type == TensorProto.BOOL:
                 padded = op.Cast(op.Pad(op.Cast(mask, to=TensorProto.INT32), pads,
                                         op.const(np.int32(0), TensorProto.INT32)), to=TensorProto.BOOL)
@@ -186,15 +154,15 @@ def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
     left, right = ctx.attr("left_window_size", -1), ctx.attr("right_window_size", -1)
     if nonpad is not None:
         # keys past each sample's valid length are padding; the causal frontier is aligned to that length
-        keys = op.Range(_scalar(ctx, 0), _scalar(ctx, skv), _scalar(ctx, 1))
+        keys = op.Range(ctx.int64(0), ctx.dim_scalar(skv), ctx.int64(1))
         lengths = op.Reshape(nonpad, op.ints([-1] + [1] * (heads.s_rank - 1)))
         allowed.append(op.Less(keys, lengths))
-        offset = op.Sub(lengths, op.Reshape(_scalar(ctx, sq), op.ints([1])))
+        offset = op.Sub(lengths, op.Reshape(ctx.dim_scalar(sq), op.ints([1])))
     else:
-        offset = None if past_len is None else op.Reshape(_scalar(ctx, past_len), op.ints([1]))
+        offset = None if past_len is None else op.Reshape(ctx.dim_scalar(past_len), op.ints([1]))
     if causal or left >= 0 or right >= 0:
-        rows = op.Unsqueeze(op.Range(_scalar(ctx, 0), _scalar(ctx, sq), _scalar(ctx, 1)), op.ints([1]))
-        cols = op.Range(_scalar(ctx, 0), _scalar(ctx, skv), _scalar(ctx, 1))
+        rows = op.Unsqueeze(op.Range(ctx.int64(0), ctx.dim_scalar(sq), ctx.int64(1)), op.ints([1]))
+        cols = op.Range(ctx.int64(0), ctx.dim_scalar(skv), ctx.int64(1))
         position = rows if offset is None else op.Add(rows, offset)   # the query's absolute position
         ahead = op.Sub(cols, position)                                  # key index minus query position
         if causal:
@@ -222,95 +190,18 @@ def _attention_allowed(ctx, heads: _Heads, q, kv_total, past_len):
 def attention(ctx):
     """Y = P V, P = softmax(scale*Q K^T (softcapped) + bias), P recomputed: dV = P^T dY, dP = dY V^T,
     dL = P*(dP - rowsum(dY*Y)), dQ = scale*dL K, dK = scale*dL^T Q (through softcap: dL*(1 - t^2))"""
-    op = ctx.op
-    q, mask, past_k = ctx.I(0), ctx.I(3), ctx.I(4)
+    op, q, past_k = ctx.op, ctx.I(0), ctx.I(4)
     heads = _Heads(ctx)
-    t = ctx.elem_type(q)
-    scale = ctx.attr("scale", None)
-    if scale is None:
-        if heads.dq is None:
-            raise ctx.unsupported("the head size of Q is not static, so the default scale 1/sqrt(head size) is "
-                                  "unknown (give the scale attribute or bind the shape)")
-        scale = 1.0 / math.sqrt(heads.dq)
-    softcap = ctx.attr("softcap", 0.0) or 0.0
-    mode = ctx.attr("qk_matmul_output_mode", 0)
-    g_qk = ctx.GO(3)
-    if g_qk is not None and mode == 0 and softcap > 0:
-        raise ctx.unsupported("a gradient through qk_matmul_output in mode 0 with softcap: the spec says the raw "
-                              "product, the reference evaluator gives the softcapped one")
+    scale, softcap, mode, g_qk = _settings(ctx, heads)
+    k_total, v_total = _attended(ctx, heads, 1, 4), _attended(ctx, heads, 2, 5)
+    past_len = ctx.dim(past_k, 2) if past_k is not None else None
+    qs, gyv, gy = _tied_to_gradient(ctx, heads, scale)
+    probs, tanh = _probabilities(ctx, heads, qs, k_total, past_len, softcap)
+    g_logits = _softmax_grad(ctx, heads, probs, gyv, gy, v_total, g_qk, mode)
+    g_mask = _mask_grad(ctx, heads, g_logits, k_total) if ctx.needs(3) else None
+    g_scores = _scores_grad(ctx, heads, g_logits, tanh, g_qk, mode)
 
-    # K and V as the op reads them: the present key/value when a cache is concatenated in front
-    def total(i_in, i_past, i_present):
-        present = ctx.node.outputs[i_present] if len(ctx.node.outputs) > i_present else None
-        if ctx.I(i_past) is None:
-            return heads.k_view(ctx.I(i_in))
-        if present is not None and present.name:
-            return present
-        return op.Concat(ctx.I(i_past), heads.k_as_4d(ctx.I(i_in)), axis=2)
-    k_total, v_total = total(1, 4, 1), total(2, 5, 2)
-    past_len = _dim(ctx, past_k, 2) if past_k is not None else None
-
-    # Q through the gradient: Concat with dY and Split again (see the module docstring)
-    gy = ctx.GO_or_zeros(0)
-    y = ctx.O(0)
-    tied = op.Concat(q, gy, axis=-1)
-    q_last, gy_last = _dim(ctx, q, -1), _dim(ctx, y, -1)
-    q_tied, gy_tied = op.Split(tied, _shape(ctx, [q_last, gy_last]), axis=-1, outputs=2)
-    qs = op.Mul(heads.q_view(q_tied, q), ctx.const_like(scale, q))      # scale * Q, in the q_sub layout
-    gyv = heads.q_view(gy_tied, q)
     sub_q, sub_k, sub_s = heads.q_sub, heads.k_sub, heads.s_sub
-
-    # recompute the probabilities
-    scores = heads.scores_4d(heads.einsum(sub_q, sub_k, sub_s, qs, k_total), q)
-    capped = tanh = None
-    if softcap > 0:
-        tanh = op.Tanh(op.Div(scores, ctx.const_like(softcap, q)))
-        capped = op.Mul(tanh, ctx.const_like(softcap, q))
-    logits = capped if capped is not None else scores
-    allowed, float_mask, alive = _attention_allowed(ctx, heads, q, k_total, past_len)
-    if float_mask is not None:
-        logits = op.Add(logits, _cast(ctx, float_mask, ctx.elem_type(mask), t))
-    if allowed is not None:
-        logits = op.Where(allowed, logits, ctx.const_like(-np.inf, q))
-    precision = ctx.attr("softmax_precision", None)
-    if precision and precision != t:
-        probs = op.Cast(op.Softmax(op.Cast(logits, to=precision), axis=-1), to=t)
-    else:
-        probs = op.Softmax(logits, axis=-1)
-    zero = ctx.const_like(0.0, q)
-    if alive is not None:
-        probs = op.Where(alive, probs, zero)   # rows with no key allowed are 0, not NaN
-
-    # backward through softmax: dL = P * (dP - rowsum(P * dP)), rowsum(P * dP) = rowsum(dY * Y)
-    g_probs = heads.scores_4d(heads.einsum(sub_q, sub_k, sub_s, gyv, v_total), q)
-    if g_qk is not None and mode == 3:
-        g_probs = op.Add(g_probs, g_qk)
-        row = op.ReduceSum(op.Mul(probs, g_probs), op.ints([-1]), keepdims=1)
-    else:
-        row = op.ReduceSum(heads.q_view(op.Mul(gy, y), q), op.ints([-1]), keepdims=1)   # in the q_sub layout
-        if heads.rank == 3:   # [B, Sq, h, (g,) 1] -> [B, h, (g,) Sq, 1]
-            row = op.Transpose(row, perm=[0, 2, 3, 1, 4] if heads.group > 1 else [0, 2, 1, 3])
-        row = heads.scores_4d(row, q)
-    g_logits = op.Mul(probs, op.Sub(g_probs, row))
-    if g_qk is not None and mode == 2:
-        g_logits = op.Add(g_logits, g_qk)
-    g_mask = None
-    if ctx.needs(3):
-        g_mask = g_logits
-        m_len = mask.shape[-1] if mask.shape else None
-        skv = _dim(ctx, k_total, 2 if heads.rank == 4 or heads.cached else 1)
-        if not (isinstance(m_len, int) and isinstance(skv, int) and m_len == skv):
-            g_mask = op.Slice(g_mask, op.ints([0]), op.Shape(mask, start=-1), op.ints([-1]))
-        g_mask = _cast(ctx, unbroadcast(ctx, g_mask, mask, _sized(g_mask, heads.s_rank)), t, ctx.elem_type(mask))
-    g_scores = g_logits
-    if g_qk is not None and mode == 1:
-        g_scores = op.Add(g_scores, g_qk)
-    if tanh is not None:
-        g_scores = op.Sub(g_scores, op.Mul(op.Mul(g_scores, tanh), tanh))
-    if g_qk is not None and mode == 0:
-        g_scores = op.Add(g_scores, g_qk)
-    g_scores = heads.scores_grouped(g_scores, q)
-
     gq = gk = gv = gpk = gpv = None
     if ctx.needs(0):
         gq = heads.q_unview(op.Mul(heads.einsum(sub_s, sub_k, sub_q, g_scores, k_total),
@@ -323,6 +214,117 @@ def attention(ctx):
     grads = [gq, gk if ctx.needs(1) else None, gv if ctx.needs(2) else None, g_mask,
              gpk if ctx.needs(4) else None, gpv if ctx.needs(5) else None, None]
     return grads[:ctx.num_inputs]
+
+
+def _settings(ctx, heads: _Heads):
+    """scale (1/sqrt(head size) when not given), softcap, qk_matmul_output_mode and that output's gradient."""
+    scale = ctx.attr("scale", None)
+    if scale is None:
+        if heads.dq is None:
+            raise ctx.unsupported("the head size of Q is not static, so the default scale 1/sqrt(head size) is "
+                                  "unknown (give the scale attribute or bind the shape)")
+        scale = 1.0 / math.sqrt(heads.dq)
+    softcap = ctx.attr("softcap", 0.0) or 0.0
+    mode = ctx.attr("qk_matmul_output_mode", 0)
+    g_qk = ctx.GO(3)
+    if g_qk is not None and mode == 0 and softcap > 0:
+        raise ctx.unsupported("a gradient through qk_matmul_output in mode 0 with softcap: the spec says the raw "
+                              "product, the reference evaluator gives the softcapped one")
+    return scale, softcap, mode, g_qk
+
+
+def _attended(ctx, heads: _Heads, i_in: int, i_past: int):
+    """K (input 1) or V (input 2) as the op attends it: the present key/value (output 1 or 2) when a cache is
+    concatenated in front."""
+    present = ctx.node.outputs[i_in] if len(ctx.node.outputs) > i_in else None
+    if ctx.I(i_past) is None:
+        return heads.k_view(ctx.I(i_in))
+    if present is not None and present.name:
+        return present
+    return ctx.op.Concat(ctx.I(i_past), heads.k_as_4d(ctx.I(i_in)), axis=2)
+
+
+def _tied_to_gradient(ctx, heads: _Heads, scale: float):
+    """scale * Q and dY in the q_sub layout, Q passed through a Concat with dY and a Split (see the module
+    docstring); and dY as it came."""
+    op, q = ctx.op, ctx.I(0)
+    gy = ctx.GO_or_zeros(0)
+    tied = op.Concat(q, gy, axis=-1)
+    q_last, gy_last = ctx.dim(q, -1), ctx.dim(ctx.O(0), -1)
+    q_tied, gy_tied = op.Split(tied, ctx.make_shape([q_last, gy_last]), axis=-1, outputs=2)
+    qs = op.Mul(heads.q_view(q_tied, q), ctx.const_like(scale, q))      # scale * Q, in the q_sub layout
+    return qs, heads.q_view(gy_tied, q), gy
+
+
+def _probabilities(ctx, heads: _Heads, qs, k_total, past_len, softcap: float):
+    """P recomputed from scale * Q and K (masked, softcapped, in softmax_precision), and tanh of the softcap (None
+    without one)."""
+    op, q, mask = ctx.op, ctx.I(0), ctx.I(3)
+    t = ctx.elem_type(q)
+    logits = scores = heads.scores_4d(heads.einsum(heads.q_sub, heads.k_sub, heads.s_sub, qs, k_total), q)
+    tanh = None
+    if softcap > 0:
+        tanh = op.Tanh(op.Div(scores, ctx.const_like(softcap, q)))
+        logits = op.Mul(tanh, ctx.const_like(softcap, q))
+    allowed, float_mask, alive = _attention_allowed(ctx, heads, q, k_total, past_len)
+    if float_mask is not None:
+        logits = op.Add(logits, ctx.cast(float_mask, ctx.elem_type(mask), t))
+    if allowed is not None:
+        logits = op.Where(allowed, logits, ctx.const_like(-np.inf, q))
+    precision = ctx.attr("softmax_precision", None)
+    if precision and precision != t:
+        probs = op.Cast(op.Softmax(op.Cast(logits, to=precision), axis=-1), to=t)
+    else:
+        probs = op.Softmax(logits, axis=-1)
+    zero = ctx.const_like(0.0, q)
+    if alive is not None:
+        probs = op.Where(alive, probs, zero)   # rows with no key allowed are 0, not NaN
+    return probs, tanh
+
+
+def _softmax_grad(ctx, heads: _Heads, probs, gyv, gy, v_total, g_qk, mode: int):
+    """dL = P * (dP - rowsum(P * dP)) with dP = dY V^T, rowsum(P * dP) = rowsum(dY * Y); a qk_matmul_output
+    gradient joins dP in mode 3 (the probabilities) and dL in mode 2 (the masked scores)."""
+    op, q = ctx.op, ctx.I(0)
+    g_probs = heads.scores_4d(heads.einsum(heads.q_sub, heads.k_sub, heads.s_sub, gyv, v_total), q)
+    if g_qk is not None and mode == 3:
+        g_probs = op.Add(g_probs, g_qk)
+        row = op.ReduceSum(op.Mul(probs, g_probs), op.ints([-1]), keepdims=1)
+    else:
+        row = op.ReduceSum(heads.q_view(op.Mul(gy, ctx.O(0)), q), op.ints([-1]), keepdims=1)   # in the q_sub layout
+        if heads.rank == 3:   # [B, Sq, h, (g,) 1] -> [B, h, (g,) Sq, 1]
+            row = op.Transpose(row, perm=[0, 2, 3, 1, 4] if heads.group > 1 else [0, 2, 1, 3])
+        row = heads.scores_4d(row, q)
+    g_logits = op.Mul(probs, op.Sub(g_probs, row))
+    if g_qk is not None and mode == 2:
+        g_logits = op.Add(g_logits, g_qk)
+    return g_logits
+
+
+def _mask_grad(ctx, heads: _Heads, g_logits, k_total):
+    """The float mask's gradient: dL cut to the mask's length and summed to its shape."""
+    op, mask = ctx.op, ctx.I(3)
+    g_mask = g_logits
+    m_len = mask.shape[-1] if mask.shape else None
+    skv = ctx.dim(k_total, 2 if heads.rank == 4 or heads.cached else 1)
+    if not (isinstance(m_len, int) and isinstance(skv, int) and m_len == skv):
+        g_mask = op.Slice(g_mask, op.ints([0]), op.Shape(mask, start=-1), op.ints([-1]))
+    g_mask = unbroadcast(ctx, g_mask, mask, _sized(g_mask, heads.s_rank))
+    return ctx.cast(g_mask, ctx.elem_type(ctx.I(0)), ctx.elem_type(mask))
+
+
+def _scores_grad(ctx, heads: _Heads, g_logits, tanh, g_qk, mode: int):
+    """The gradient of scale * Q K^T, in the layout of the Einsums: through softcap (dL*(1 - t^2)), with a
+    qk_matmul_output gradient in mode 1 (the softcapped scores) or 0 (the raw product)."""
+    op = ctx.op
+    g_scores = g_logits
+    if g_qk is not None and mode == 1:
+        g_scores = op.Add(g_scores, g_qk)
+    if tanh is not None:
+        g_scores = op.Sub(g_scores, op.Mul(op.Mul(g_scores, tanh), tanh))
+    if g_qk is not None and mode == 0:
+        g_scores = op.Add(g_scores, g_qk)
+    return heads.scores_grouped(g_scores, ctx.I(0))
 
 
 def _sized(v, rank: int):
@@ -341,51 +343,14 @@ def _split_cache(ctx, heads: _Heads, g_total, i_in: int, i_past: int):
     x, past = ctx.I(i_in), ctx.I(i_past)
     if past is None:
         return heads.k_unview(g_total), None
-    new_len = _dim(ctx, x, 2 if heads.rank == 4 else 1)
-    g_past, g_new = op.Split(g_total, _shape(ctx, [_dim(ctx, past, 2), new_len]), axis=2, outputs=2)
+    new_len = ctx.dim(x, 2 if heads.rank == 4 else 1)
+    g_past, g_new = op.Split(g_total, ctx.make_shape([ctx.dim(past, 2), new_len]), axis=2, outputs=2)
     if heads.rank == 3:
-        g_new = _reshape(ctx, op.Transpose(g_new, perm=[0, 2, 1, 3]), [0, 0, -1])
+        g_new = ctx.reshape(op.Transpose(g_new, perm=[0, 2, 1, 3]), [0, 0, -1])
     return g_new, g_past
 
 
-# -- RMSNormalization ----------------------------------------------------------------------------------------
-@rule("RMSNormalization", since=23)
-def rms_normalization(ctx):
-    """y = x * r * scale, r = 1/sqrt(mean(x^2) + eps): dx = g*r - x * r^3 * mean(g*x) with g = dy*scale,
-    dscale = sum(dy * x * r)"""
-    op = ctx.op
-    x, scale, y = ctx.I(0), ctx.I(1), ctx.O(0)
-    rank = ctx.rank(x)
-    axes = op.ints(range(ctx.normalize_axis(ctx.attr("axis", -1), rank), rank))
-    x_type = ctx.elem_type(x)
-    stash = ctx.attr("stash_type", TensorProto.FLOAT)
-    work = TensorProto.FLOAT if stash == TensorProto.FLOAT and x_type in _LOW_PRECISION else x_type
-    xw = _cast(ctx, x, x_type, work)
-    gy = _cast(ctx, ctx.GO(0), ctx.elem_type(y), work)
-    # r from a sum of squares: a per-row statistic, with no input-sized intermediate
-    count = _count(ctx, x, work)
-    r = op.Reciprocal(op.Sqrt(op.Add(op.Div(op.ReduceSumSquare(xw, axes, keepdims=1), count),
-                                     op.const(ctx.attr("epsilon", 1e-5), work))))
-    gx = gs = None
-    if ctx.needs(0):
-        g = op.Mul(gy, _cast(ctx, scale, ctx.elem_type(scale), work))
-        k = op.Mul(op.Mul(op.Mul(op.Div(op.ReduceSum(op.Mul(g, xw), axes, keepdims=1), count), r), r), r)
-        gx = _cast(ctx, op.Sub(op.Mul(g, r), op.Mul(xw, k)), work, x_type)
-    if ctx.needs(1):
-        gs = ctx.unbroadcast(_cast(ctx, op.Mul(op.Mul(gy, xw), r), work, ctx.elem_type(scale)), scale)
-    return [gx, gs]
-
-
-def _count(ctx, x, elem_type):
-    """Elements per normalized row: static where the shape is, else the product of Shape(x)[axis:]."""
-    first = ctx.normalize_axis(ctx.attr("axis", -1), ctx.rank(x))
-    dims = x.shape[first:]
-    if all(isinstance(d, int) for d in dims):
-        return ctx.op.const(float(np.prod(dims)), elem_type)
-    return ctx.op.Cast(ctx.op.ReduceProd(ctx.op.Shape(x, start=first), keepdims=0), to=elem_type)
-
-
-# -- RotaryEmbedding -----------------------------------------------------------------------------------------
+# -- RotaryEmbedding -------------------------------------------------------------------------------------------------
 def _rotary_signs(ctx, x, head_size: int, rotary: int, interleaved: bool, heads: int):
     """+1/-1 along the last axis: -1 on the second element of each rotated pair. Negating the second element
     before and after a rotation by theta rotates by -theta (F R(theta) F = R(-theta), F = diag(1, -1))."""
@@ -429,7 +394,7 @@ def rotary_embedding(ctx):
     if ctx.needs(1) or ctx.needs(2):
         # per-element products in the layout [B, S, H, D] (4-D X is [B, H, S, D]), then the pair halves
         head_axis = 2 if rank == 3 else 1
-        as_heads = (lambda v: _reshape(ctx, v, [0, 0, num_heads, -1])) if rank == 3 else (lambda v: v)
+        as_heads = (lambda v: ctx.reshape(v, [0, 0, num_heads, -1])) if rank == 3 else (lambda v: v)
         half = rotary // 2
 
         def halves(v):
@@ -460,120 +425,6 @@ def _rotary_cache_grad(ctx, per_position, cache, positions, half: int):
         return per_position
     op = ctx.op
     rows = op.Reshape(per_position, op.ints([-1, half]))
-    summed = ctx.scatter_add_rows(_shape(ctx, [_dim(ctx, cache, 0)]), op.Reshape(positions, op.ints([-1])), rows, cache)
+    summed = ctx.scatter_add_rows(ctx.make_shape([ctx.dim(cache, 0)]), op.Reshape(positions, op.ints([-1])), rows,
+                                  cache)
     return ctx.reshape_like(summed, cache)
-
-
-# -- Swish (opset 24) ----------------------------------------------------------------------------------------
-@rule("Swish", since=24)
-def swish(ctx):
-    """y = x * s, s = sigmoid(alpha*x): dx = dy*s + alpha*(dy*y)*(1 - s)"""
-    x, y, gy, op = ctx.I(0), ctx.O(0), ctx.GO(0), ctx.op
-    alpha = ctx.attr("alpha", 1.0)
-    # s is a function of x alone (as Softplus's sigmoid): the one forward-only node
-    s = op.Sigmoid(op.Mul(x, ctx.const_like(alpha, x)) if alpha != 1.0 else x)
-    gys = op.Mul(gy, s)
-    gyy = op.Mul(op.Mul(gy, y), ctx.const_like(alpha, x)) if alpha != 1.0 else op.Mul(gy, y)
-    return [op.Add(gys, op.Sub(gyy, op.Mul(gyy, s)))]
-
-
-# -- TensorScatter (opset 24) --------------------------------------------------------------------------------
-@rule("TensorScatter", since=24, wrt=(0, 1))
-def tensor_scatter(ctx):
-    """y = past with update written at write_indices[b] + s along axis: dpast = dy with those places 0
-    (a TensorScatter of zeros), dupdate = dy at those places (GatherElements)"""
-    op = ctx.op
-    past, update, where = ctx.I(0), ctx.I(1), ctx.I(2)
-    gy = ctx.GO(0)
-    rank = ctx.rank(past)
-    axis = ctx.normalize_axis(ctx.attr("axis", -2), rank)
-    mode = ctx.attr("mode", "linear")
-    mode = mode.decode() if isinstance(mode, bytes) else mode
-    gp = gu = None
-    if ctx.needs(0):
-        gp = op.TensorScatter(gy, ctx.zeros_like(update), where, axis=axis, mode=mode)
-    if ctx.needs(1):
-        # the place of update[b, ..., s, ...] in the cache: write_indices[b] + s (modulo the cache length)
-        along = [1] * rank
-        along[axis] = -1
-        steps = op.Reshape(op.Range(_scalar(ctx, 0), _scalar(ctx, _dim(ctx, update, axis)), _scalar(ctx, 1)),
-                           op.ints(along))
-        places = steps
-        if where is not None:
-            places = op.Add(op.Reshape(where, op.ints([-1] + [1] * (rank - 1))), steps)
-        if mode == "circular":
-            places = op.Mod(places, op.Reshape(_scalar(ctx, _dim(ctx, past, axis)), op.ints([1])))
-        gu = op.GatherElements(gy, op.Expand(places, ctx.shape_of(update)), axis=axis)
-    return [gp, gu, None][:ctx.num_inputs]
-
-
-# -- SwiGLU (opset 28) ---------------------------------------------------------------------------------------
-@rule("SwiGLU", since=28)
-def swiglu(ctx):
-    """y = a * s * b, s = sigmoid(alpha*a): db = (dy*a)*s, da = t + alpha*(t*a)*(1 - s) with t = (dy*b)*s"""
-    a, b, gy, op = ctx.I(0), ctx.I(1), ctx.GO(0), ctx.op
-    alpha = ctx.attr("alpha", 1.0)
-    s = op.Sigmoid(op.Mul(a, ctx.const_like(alpha, a)) if alpha != 1.0 else a)  # a function of a alone
-    ga = gb = None
-    if ctx.needs(0):
-        t = op.Mul(op.Mul(gy, b), s)
-        ta = op.Mul(t, a)
-        if alpha != 1.0:
-            ta = op.Mul(ta, ctx.const_like(alpha, a))
-        ga = op.Add(t, op.Sub(ta, op.Mul(ta, s)))
-    if ctx.needs(1):
-        gb = op.Mul(op.Mul(gy, a), s)
-    return [ga, gb]
-
-
-# -- CausalConvWithState (opset 27) --------------------------------------------------------------------------
-@rule("CausalConvWithState", since=27, wrt=(0, 1, 2),
-      limits="static kernel size and channels; past_state gets no gradient (the schema marks it so)")
-def causal_conv_with_state(ctx):
-    """p = [past, x] along the length, z = depthwise Conv(p, w) + b, y = act(z), present = the last k-1 of p:
-    dz = dy * act'(z), dx = ConvTranspose(dz, w) (+ dpresent) without its first k-1,
-    dw[c, j] = sum dz[., c, t] * p[., c, t + j] (a grouped Conv), db = sum(dz)"""
-    op = ctx.op
-    x, w, b, past = ctx.I(0), ctx.I(1), ctx.I(2), ctx.I(3)
-    k = w.shape[-1] if w.shape else None
-    if not isinstance(k, int):
-        raise ctx.unsupported("the kernel size (the last axis of weight) must be static")
-    channels = _dim(ctx, w, 0)
-    activation = ctx.attr("activation", "none")
-    activation = activation.decode() if isinstance(activation, bytes) else activation
-    gy = ctx.GO_or_zeros(0)
-    if past is None:
-        zero = helper.make_tensor("", ctx.elem_type(x), [1], [0])
-        past = op.ConstantOfShape(_shape(ctx, [_dim(ctx, x, 0), _dim(ctx, x, 1), k - 1]), value=zero)
-    # [past, x] through the gradient (as Attention's Q): Concat with dy and Split again, so the recomputed
-    # pre-activation and the weight gradient's input cannot run during the forward pass
-    length = _dim(ctx, x, 2)
-    padded, gy = op.Split(op.Concat(past, x, gy, axis=2), _shape(ctx, [k - 1 + length if isinstance(length, int)
-                                                                     else op.Add(length, op.ints([k - 1])),
-                                                                     length]), axis=2, outputs=2)
-    gz = gy
-    if activation in ("silu", "swish"):
-        z = op.Conv(padded, w, b, group=channels) if isinstance(channels, int) else None
-        if z is None:
-            raise ctx.unsupported("the number of channels (the first axis of weight) must be static")
-        s = op.Sigmoid(z)
-        t = op.Mul(gy, s)
-        tz = op.Mul(t, z)
-        gz = op.Add(t, op.Sub(tz, op.Mul(tz, s)))
-    elif activation != "none":
-        raise ctx.unsupported(f"activation {activation!r}")
-    g_padded = op.ConvTranspose(gz, w, group=channels)
-    g_present = ctx.GO(1)
-    if g_present is not None:   # present is the last k-1 positions of [past, x]
-        g_padded = op.Add(g_padded, op.Pad(g_present, _shape(ctx, [0, 0, length, 0, 0, 0])))
-    gx = gw = gb = None
-    if ctx.needs(0):
-        _, gx = op.Split(g_padded, _shape(ctx, [k - 1, length]), axis=2, outputs=2)
-    if ctx.needs(1):
-        # batch folded into channels: out[0, c, j] = sum_b sum_t p[b, c, t + j] * dz[b, c, t]
-        p_cb = _reshape(ctx, op.Transpose(padded, perm=[1, 0, 2]), [1, -1, 0])
-        dz_cb = op.Transpose(gz, perm=[1, 0, 2])
-        gw = _reshape(ctx, op.Conv(p_cb, dz_cb, group=channels), [channels, 1, k])
-    if ctx.needs(2):
-        gb = op.ReduceSum(gz, op.ints([0, 2]), keepdims=0)
-    return [gx, gw, gb, None][:ctx.num_inputs]

@@ -320,10 +320,10 @@ def _activation(name: str, alpha, beta) -> Callable:
     """apply(op, x, typed): the activation of x; `typed` gives each new value x's type and shape."""
     def apply(op: Builder, x: Value, typed: Callable[[Value], Value]) -> Value:
         if name == "Affine":
-            return typed(op.Add(typed(op.Mul(x, _scalar(op, alpha, x))), _scalar(op, beta, x)))
+            return typed(op.Add(typed(op.Mul(x, _const_like(op, alpha, x))), _const_like(op, beta, x)))
         if name == "ScaledTanh":
-            scaled = typed(op.Tanh(typed(op.Mul(x, _scalar(op, beta, x)))))
-            return typed(op.Mul(scaled, _scalar(op, alpha, x)))
+            scaled = typed(op.Tanh(typed(op.Mul(x, _const_like(op, beta, x)))))
+            return typed(op.Mul(scaled, _const_like(op, alpha, x)))
         attrs = {}
         if alpha is not None:
             attrs["alpha"] = float(alpha)
@@ -333,7 +333,8 @@ def _activation(name: str, alpha, beta) -> Callable:
     return apply
 
 
-def _scalar(op: Builder, value: float, like: Value) -> Value:
+def _const_like(op: Builder, value: float, like: Value) -> Value:
+    """A constant of like's element type, as a rule's `ctx.const_like` gives (the rewrite has no rule context)."""
     return op.const(np.asarray(value), like.elem_type)
 
 
@@ -387,7 +388,7 @@ class _RecurrentUnroller:
         inputs only, not the cell state that LSTM's h() reads, and its LSTM is the reference followed here."""
         op, shape = self.op, x.shape
         if self.clip is not None and clip:
-            x = self.typed(op.Clip(x, _scalar(op, -self.clip, x), _scalar(op, self.clip, x)), *shape)
+            x = self.typed(op.Clip(x, _const_like(op, -self.clip, x), _const_like(op, self.clip, x)), *shape)
         return self.funcs[k](op, x, lambda v: self.typed(v, *shape))
 
     def binary(self, op_type: str, a: Value, b: Value) -> Value:
@@ -452,7 +453,7 @@ class _RecurrentUnroller:
             gi = self.binary("Add", gi, self.binary("Mul", c, pi))
         i = self.activation(self.slot, gi)
         if self.node.attr("input_forget", 0):  # coupled gates: ft = 1 - it
-            f = self.typed(self.op.Sub(_scalar(self.op, 1.0, self.x), i), self.batch, H)
+            f = self.typed(self.op.Sub(_const_like(self.op, 1.0, self.x), i), self.batch, H)
         else:
             if pf is not None and c is not None:
                 gf = self.binary("Add", gf, self.binary("Mul", c, pf))
