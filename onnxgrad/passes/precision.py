@@ -22,8 +22,9 @@ from ..builder import Builder, Names
 from ..contract import BACKWARD, FORWARD, GRAD_SUFFIX, LOSS_SCALE_INPUT, PRECISION_KEY
 from ..errors import UsageError
 from ..gradient import reaching_heads
-from ..ir import Graph, Node, Value, outer_references
+from ..ir import Graph, Node, Value, from_model, outer_references
 from ..pipeline import Build, Pass
+from .results import PrecisionResult, WidenResult
 from ..precision import FLOAT32_OPS, HALF_OPS, HALF_TYPES, NOT_IN_BF16
 
 F32 = TensorProto.FLOAT
@@ -36,7 +37,7 @@ class Precision(Pass):
     ensures = frozenset({"precision"})
 
     def wanted(self, build: Build) -> bool:
-        settings = build.options.precision
+        settings = build.options.precision_settings
         asked = settings["precision"] != "fp32" or settings["loss_scale"] is not None
         if build.training_graph and asked:
             flag = f"--precision {settings['precision']}" if settings["precision"] != "fp32" else "--loss-scale"
@@ -45,14 +46,14 @@ class Precision(Pass):
         return asked
 
     def run(self, build: Build) -> None:
-        settings = build.options.precision
+        settings = build.options.precision_settings
         graph = build.graph
         counts = {"half_nodes": 0, "casts": 0}
         if settings["precision"] != "fp32":
             counts = cast_to_precision(graph, build.new_names(), HALF_TYPES[settings["precision"]], build.heads)
             build.reaches_loss = reaching_heads(graph, build.heads)
         graph.metadata[PRECISION_KEY] = json.dumps(settings, separators=(",", ":"))
-        build.report["precision"] = {**settings, **counts}
+        build.record(PrecisionResult(settings["precision"], settings["loss_scale"], **counts))
 
 
 def cast_to_precision(graph: Graph, names: Names, half: int, heads: list[Value]) -> dict:
@@ -156,11 +157,10 @@ class _Rewrite:
     def _rewrite_branches(self, node: Node) -> None:
         """Rewrite each branch of an If as a graph of its own, by the same lists: the outer values it reads stay
         float32 (their producers are pinned), and so do its outputs, so the If's types do not change."""
-        from ..rules.control import _as_graph
         for k, a in enumerate(node.attributes):
             if a.type != onnx.AttributeProto.GRAPH:
                 continue
-            sub = _as_graph(a.g, self.graph)
+            sub = branch_graph(a.g, self.graph)
             outer = {v.name for v in sub.inputs}
             counts = cast_to_precision(sub, self.names, self.half, [])
             if counts["casts"]:
@@ -184,6 +184,17 @@ class _Rewrite:
         if any(v.elem_type == F32 and id(v) in self.data for v in ins):
             return F32
         return self.half
+
+
+def branch_graph(branch: onnx.GraphProto, outer: Graph) -> Graph:
+    """A branch as a Graph of its own: the outer values it reads become its inputs (with their types)."""
+    proto = onnx.GraphProto()
+    proto.CopyFrom(branch)
+    for name in outer_references(branch):
+        v = outer.values.get(name)
+        proto.input.append(v.value_info() if v is not None else helper.make_empty_tensor_value_info(name))
+    model = helper.make_model(proto, opset_imports=[helper.make_opsetid(d, v) for d, v in outer.opsets.items()])
+    return from_model(model)
 
 
 def _as_branch(sub: Graph, original: onnx.GraphProto, outer: set[str]) -> onnx.GraphProto:
@@ -243,11 +254,11 @@ class LossScale(Pass):
     ensures = frozenset({"loss_scale"})
 
     def wanted(self, build: Build) -> bool:
-        return not build.training_graph and build.options.precision.get("loss_scale") is not None
+        return not build.training_graph and build.options.precision_settings["loss_scale"] is not None
 
     def run(self, build: Build) -> None:
         graph, names = build.graph, build.new_names()
-        settings = build.options.precision["loss_scale"]
+        settings = build.options.precision_settings["loss_scale"]
         seeds = [s for s in build.seeds if s.producer is not None and s.producer.name.startswith("seed/")]
         if len(seeds) != 1 or len(build.heads) != 1:
             raise UsageError("loss scaling needs one scalar loss (a --loss-fn, or a scalar --loss) and no fed "
@@ -277,7 +288,6 @@ class LossScale(Pass):
             graph.rename(unscaled, name)
             unscaled.elem_type, unscaled.shape = g.elem_type, g.shape
             graph.outputs[k] = unscaled
-        build.report["loss_scale"] = settings
 
 
 def add_scalar_input(graph: Graph, name: str, initial: np.ndarray) -> Value:
@@ -307,7 +317,7 @@ class WidenBfloat16(Pass):
     def wanted(self, build: Build) -> bool:
         # a bf16 graph built now, or one build-grad wrote and a later command (mirror) takes up
         recorded = json.loads(build.graph.metadata.get(PRECISION_KEY, "{}")).get("precision")
-        return "bf16" in (build.options.precision["precision"], recorded)
+        return "bf16" in (build.options.precision_settings["precision"], recorded)
 
     def run(self, build: Build) -> None:
         graph, names = build.graph, build.new_names()
@@ -345,7 +355,7 @@ class WidenBfloat16(Pass):
                                           [helper.make_attribute("to", bf16)], phase=node.phase))
         if widened:
             graph.reorder(order)
-        build.report.setdefault("precision", {})["widened_inputs"] = widened
+        build.record(WidenResult(widened))
 
 
 VIEWS = frozenset({"Reshape", "Slice", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity", "Expand"})
