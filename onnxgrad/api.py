@@ -167,7 +167,7 @@ def check_options(options: Options) -> None:
         raise UsageError(f"--{next(iter(o.optimizer_options)).replace('_', '-')}: needs --optimizer")
     if o.optimizer is not None:
         optim.optimizer_settings(o.optimizer, o.optimizer_options)
-    o.precision_settings  # noqa: B018 (checked here, before the slow part)
+    o.precision_settings  # noqa: B018 (parsed once, and refused here rather than after the slow part)
 
 
 def load_graph(model: str | os.PathLike | onnx.ModelProto, dims: dict[str, int] | None = None) -> Graph:

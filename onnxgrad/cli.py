@@ -403,6 +403,7 @@ def _build_and_write(command, options, model, output, external_data, report):
                                         "mirror": {"policy": "budget", **e.report.record(),
                                                    "solve_seconds": e.report.solve_seconds}}), report_path)
         raise
+
     def write_model():
         _save_training_graph(result, out, external_data)
     if report_path:  # the report and the model, or neither

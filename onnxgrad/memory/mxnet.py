@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ..contract import BACKWARD, FORWARD
 from ..errors import UsageError
-from ..ir import Graph, Node, Value
+from ..ir import Graph, Node
 from .plan import Plan, recompute_before_first_use
 
 HEAVY = frozenset({"Conv", "ConvTranspose", "ConvInteger", "MatMul", "MatMulInteger", "Gemm", "Einsum",
