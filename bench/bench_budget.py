@@ -34,7 +34,8 @@ import onnxgrad  # noqa: E402
 from onnxgrad.errors import UsageError  # noqa: E402
 from onnxgrad.materialize import materialize  # noqa: E402
 from onnxgrad.memory.measure import measure  # noqa: E402
-from onnxgrad.memory.simulate import load, simulate  # noqa: E402
+from onnxgrad.api import load_graph as load  # noqa: E402
+from onnxgrad.memory.simulate import simulate  # noqa: E402
 
 ZOO = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 

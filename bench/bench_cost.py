@@ -79,6 +79,7 @@ def main() -> None:
 
     import onnx
 
+    from onnxgrad.api import load_graph
     from onnxgrad.memory import measure, simulate
     from onnxgrad.memory.cost import CPU_PRICES, KERNEL_CLASSES, CostModel, Prices, profile_costs
 
@@ -87,7 +88,7 @@ def main() -> None:
     flops_model = CostModel()
     graphs, profiles, rows = {}, {}, {}
     for path in plains:
-        graphs[path] = simulate.load(str(path))
+        graphs[path] = load_graph(str(path))
         rows[path] = features(graphs[path], flops_model)
         profiles[path] = profile_costs(onnx.load(str(path)), runs=args.runs, threads=args.threads)
 

@@ -25,7 +25,8 @@ import torch  # noqa: E402
 
 import onnxgrad  # noqa: E402
 from onnxgrad.memory.measure import measure  # noqa: E402
-from onnxgrad.memory.simulate import load, simulate  # noqa: E402
+from onnxgrad.api import load_graph as load  # noqa: E402
+from onnxgrad.memory.simulate import simulate  # noqa: E402
 
 
 def node_suite() -> None:

@@ -173,6 +173,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="keep the models here (default: a temporary folder)")
     args = ap.parse_args()
 
+    from onnxgrad.api import load_graph
     from onnxgrad.memory import measure, simulate
     allocators = args.allocators.split(",")
     work = Path(args.out or tempfile.mkdtemp(prefix="bench_real_budget_"))
@@ -213,7 +214,7 @@ def main() -> None:
             graphs.append((budget, out, json.loads(report.read_text())["mirror"]["budget_bytes"], seconds))
         plain_time = {}
         for label, path, budget_bytes, seconds in graphs:
-            t = simulate.simulate(simulate.load(str(path)))
+            t = simulate.simulate(load_graph(str(path)))
             cells = [name, label, mib(budget_bytes) if budget_bytes else "-", mib(t.peak)]
             for a in allocators:
                 m = measure.measure(path, level="ALL", threads=args.threads, runs=3, allocator=a)
@@ -233,6 +234,7 @@ def main() -> None:
 def train_rise(fwd: Path, work: Path, name: str, batch: int, budget: int, threads: int) -> str:
     """`onnxgrad train` on a budgeted step graph: the rise of the resident set from its first step on."""
     import onnx
+    from onnxgrad.api import load_graph
     from onnxgrad.memory import simulate
     from onnxgrad.protos import random_feeds
     step = work / f"{name}_b{batch}_{budget}_step.onnx"
@@ -243,7 +245,7 @@ def train_rise(fwd: Path, work: Path, name: str, batch: int, budget: int, thread
     data = work / f"{name}_data.npz"
     feeds = random_feeds(model, {}, 0, {t.name for t in model.graph.initializer})
     np.savez(data, **{k: np.concatenate([v, v]) for k, v in feeds.items()})
-    static = simulate.simulate(simulate.load(str(step))).static
+    static = simulate.simulate(load_graph(str(step))).static
     record = work / f"{name}_train_rss.json"
     p = run([sys.executable, "-c", TRAIN, str(record), "train", str(step), "--data", str(data), "--steps", "2",
              "--batch", str(batch), "--provider", "cpu", "--threads", str(threads), "--no-shuffle", "--quiet"])

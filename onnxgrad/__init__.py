@@ -1,9 +1,10 @@
 """onnxgrad: training graphs for stock onnxruntime, built from ONNX forward graphs."""
-__version__ = "0.1.0"
+from .version import __version__
 
-from .api import BuildResult, build, build_gradient  # noqa: E402
+from .api import BuildResult, build, build_gradient, load_graph  # noqa: E402
 from .errors import (InternalError, InvalidModelError, OnnxgradError,  # noqa: E402
                      UnsupportedError, UsageError)
+from .options import Options  # noqa: E402
 
-__all__ = ["build_gradient", "build", "BuildResult", "OnnxgradError", "UsageError", "InvalidModelError",
-           "UnsupportedError", "InternalError", "__version__"]
+__all__ = ["build_gradient", "build", "BuildResult", "Options", "load_graph", "OnnxgradError", "UsageError",
+           "InvalidModelError", "UnsupportedError", "InternalError", "__version__"]

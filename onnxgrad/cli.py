@@ -203,7 +203,7 @@ def _training_flags(command):
 
 
 def _training_options(o: dict) -> dict:
-    """build()'s keywords from the --loss-fn and --optimizer flags; flags not given are left out."""
+    """The Options fields of the --loss-fn and --optimizer flags; flags not given are left out."""
     loss_options = {"target_input": o["target_input"], "loss_output": o["loss_output"],
                     "reduction": o["reduction"], "class_weights": _floats(o["class_weights"], "--class-weights"),
                     "ignore_index": o["ignore_index"]}
@@ -286,7 +286,7 @@ def build_grad(mirror, **flags):
 
     --loss-fn first appends a loss (a `target` input, a `loss` output); --optimizer then writes a step graph
     that also updates the parameters, so one run is one training step (see `onnxgrad train`)."""
-    _build_and_write("build-grad", mirror="mxnet" if mirror else None, **flags)
+    _build_and_write("build-grad", _build_options(flags, "mxnet" if mirror else None), **_outputs(flags))
 
 
 @cli.command("mirror", epilog=EXIT_CODES_HELP)
@@ -340,7 +340,7 @@ def mirror_cmd(policy, budget, solver_name, time_limit, cost, sweep, **flags):
         raise UsageError("--cost: prices recomputation for --budget or --sweep; give one of them")
     options = {"budget": budget, "solver": solver_name or "fast", "time_limit": time_limit or 60.0,
                "cost": cost or "model", "sweep": sweep}
-    _build_and_write("mirror", mirror=policy, mirror_extra=options, **flags)
+    _build_and_write("mirror", _build_options(flags, policy, options), **_outputs(flags))
 
 
 def _check_budget(text: str) -> None:
@@ -357,71 +357,92 @@ def _check_budget(text: str) -> None:
                          f"fit, a fraction (0.4x) or auto")
 
 
-def _build_and_write(command, model, output, loss, requires_grad, frozen, also_grad, input_shape, dim, loop_bound,
-                     precision, loss_scale, loss_scale_init, loss_scale_interval, save, recompute, external_data,
-                     report, force, mirror, mirror_extra=None, **training):
+def _build_options(flags: dict, mirror: str | None, mirror_extra: dict | None = None):
+    """The build's Options from the flags of build-grad and mirror (what `_outputs` does not take)."""
+    from .options import Options
+
+    f = {k: v for k, v in flags.items() if k not in OUTPUT_FLAGS}
+    save, recompute = _names(f.pop("save")), _names(f.pop("recompute"))
+    if (save or recompute) and mirror is None:
+        raise UsageError(f"{'--save' if save else '--recompute'}: needs --mirror (or the mirror command)")
+    return Options(loss=f.pop("loss"), requires_grad=_names(f.pop("requires_grad")) or None,
+                   frozen=_names(f.pop("frozen")), also_grad=_names(f.pop("also_grad")),
+                   input_shapes=_shapes(f.pop("input_shape")), dims=_dims(f.pop("dim")),
+                   loop_bounds=_loop_bounds(f.pop("loop_bound")), mirror=mirror,
+                   mirror_options={"save": save, "recompute": recompute, **(mirror_extra or {})},
+                   precision=f.pop("precision"), loss_scale=f.pop("loss_scale"),
+                   loss_scale_options={"init_scale": f.pop("loss_scale_init"),
+                                       "growth_interval": f.pop("loss_scale_interval")},
+                   **_training_options(f))
+
+
+OUTPUT_FLAGS = ("model", "output", "external_data", "report", "force")
+
+
+def _outputs(flags: dict) -> dict:
+    """The flags of build-grad and mirror that say what to read and where to write."""
+    return {k: flags[k] for k in OUTPUT_FLAGS if k != "force"}
+
+
+def _build_and_write(command, options, model, output, external_data, report):
+    """Build `model` with `options`, then write the training graph to `output` (and the report, and the
+    --sweep chart the options ask for), and log a summary."""
     from .api import build
 
     paths = OutputPaths([model])
     out = paths.claim(output, "-o", "the output model")
     paths.claim_data(out)  # written when the input has external data, with --external-data, or past 2 GB
     report_path = paths.claim(report, "--report", "the report") if report else None
-    sweep = (mirror_extra or {}).get("sweep")
+    sweep = options.mirror_options.get("sweep")
     sweep_path = paths.claim(sweep, "--sweep", "the --sweep chart") if sweep else None
-    if (save or recompute) and mirror is None:
-        raise UsageError(f"{'--save' if save else '--recompute'}: needs --mirror (or the mirror command)")
     from .memory.budget import BudgetError
     try:
-        result = build(model, loss=loss, requires_grad=_names(requires_grad) or None, frozen=_names(frozen),
-                       also_grad=_names(also_grad), input_shapes=_shapes(input_shape), dims=_dims(dim),
-                       loop_bounds=_loop_bounds(loop_bound), weights_apart=True, mirror=mirror,
-                       mirror_options={"save": _names(save), "recompute": _names(recompute),
-                                       **(mirror_extra or {})},
-                       precision=precision, loss_scale=loss_scale,
-                       loss_scale_options={"init_scale": loss_scale_init, "growth_interval": loss_scale_interval},
-                       **_training_options(training))
+        result = build(model, options, weights_apart=True)
     except BudgetError as e:
         if report_path:  # a CI step reads why: fits false, the floor, the least peak found
             save_json(_report(command, {"input": str(model), "output": None, "error": _one_line(e),
                                         "mirror": {"policy": "budget", **e.report.record(),
                                                    "solve_seconds": e.report.solve_seconds}}), report_path)
         raise
-    r = result.report
 
     def write_model():
         _save_training_graph(result, out, external_data)
     if report_path:  # the report and the model, or neither
-        write_along(report_path, json_bytes(_report(command, {"input": str(model), "output": str(out), **r})),
+        write_along(report_path, json_bytes(_report(command, {"input": str(model), "output": str(out),
+                                                                  **result.report})),
                     write_model)
     else:
         write_model()
-    counts = [f"{r[f'{phase}_nodes']} {phase}" for phase in ("forward", "recompute", "backward", "optimizer")
-              if r[f"{phase}_nodes"] or phase in ("forward", "backward")]
-    log.info("%s: loss %s, %d parameters, %s nodes, %.2f s", out, r["loss"], len(r["parameters"]),
-             " + ".join(counts), r["seconds"])
+    nodes = result.written.nodes
+    counts = [f"{n} {phase}" for phase, n in (("forward", nodes.forward), ("recompute", nodes.recompute),
+                                              ("backward", nodes.backward), ("optimizer", nodes.optimizer))
+              if n or phase in ("forward", "backward")]
+    log.info("%s: loss %s, %d parameters, %s nodes, %.2f s", out, result.loss.loss, len(result.gradient.parameters),
+             " + ".join(counts), result.seconds)
     if log.isEnabledFor(logging.DEBUG):
         from .cuda import cuda_fallbacks
         for line in cuda_fallbacks(result.model):
             log.debug("not on the CUDA provider: %s", line)
-    if "mirror" in r:
-        m = r["mirror"]
-        p = m["predicted"]
+    m = result.mirror
+    if m is not None:
         log.info("%s: %d forward nodes recomputed; simulated peak %s -> %s (saved for the backward %s -> %s)", out,
-                 len(m["recomputed"]), _mib(p["unmirrored_peak_bytes"]), _mib(p["peak_bytes"]),
-                 _mib(p["unmirrored_saved_bytes"]), _mib(p["saved_bytes"]))
-        if r.get("loop_segments"):  # rewritten before the gradient, so the peaks above already include it
+                 len(m.recomputed), _mib(m.unmirrored_peak_bytes), _mib(m.peak_bytes),
+                 _mib(m.unmirrored_saved_bytes), _mib(m.saved_bytes))
+        segments = result.gradient.loop_segments
+        if segments:  # rewritten before the gradient, so the peaks above already include it
             log.info("%s: loops run as segments, storing a carry per segment: %s", out,
-                     ", ".join(f"{name} in segments of {k}" for name, k in r["loop_segments"].items()))
-        if "budget_bytes" in m:
+                     ", ".join(f"{name} in segments of {k}" for name, k in segments.items()))
+        b = m.budget
+        if b is not None:
             log.info("%s: budget %s (%s), floor %s; %.2f extra forward passes of recomputation (%s solver%s)",
-                     out, m["budget"], _mib(m["budget_bytes"]) if m["budget_bytes"] else "auto",
-                     _mib(m["floor_bytes"]), m["extra_forward_passes"], m["solver"],
-                     "" if m.get("gap") is None else f", gap {m['gap']:.2%}")
-    if "sweep" in r:
+                     out, b.budget, _mib(b.budget_bytes) if b.budget_bytes else "auto",
+                     _mib(b.floor_bytes), b.extra_forward_passes, b.solver,
+                     "" if b.gap is None else f", gap {b.gap:.2%}")
+    if m is not None and m.sweep is not None:
         from .memory.sweep import chart
-        chart(r["sweep"]["rows"], sweep_path, f"{os.path.basename(model)}: peak memory against recomputation",
-              r["sweep"].get("budget_bytes"))
-        click.echo(r["sweep"]["table"] + "\n")
+        chart(m.sweep.rows, sweep_path, f"{os.path.basename(model)}: peak memory against recomputation",
+              m.sweep.budget_bytes)
+        click.echo(m.sweep.table + "\n")
         click.echo(str(sweep_path))
     click.echo(str(out))
 
@@ -456,7 +477,8 @@ def memory_cmd(graphs, dim, top, plot, report):
     what is alive then (parameters, inputs, gradients, activations the backward reads, temporaries) and the
     largest forward values kept for the backward pass. Graph inputs and weights count for the whole run; a
     value is freed after its last reader."""
-    from .memory.simulate import load, plot as draw, simulate
+    from .api import load_graph
+    from .memory.simulate import plot as draw, simulate
 
     dims = _dims(dim)
     paths = OutputPaths(list(graphs))
@@ -464,7 +486,7 @@ def memory_cmd(graphs, dim, top, plot, report):
     report_path = paths.claim(report, "--report", "the report") if report else None
     timelines, body = {}, {}
     for path in graphs:
-        graph = load(path, dims)
+        graph = load_graph(path, dims)
         t = simulate(graph, dims)
         timelines[os.path.basename(path)] = t
         node = graph.nodes[t.peak_index] if graph.nodes else None

@@ -1,53 +1,35 @@
-"""The build as one list of passes over one typed `Graph`.
-
-    read -> infer -> [loss] -> lower -> [precision] -> gradient -> [loss_scale] -> [mirror] -> schedule
-         -> [optimizer] -> validate
+"""The pass infrastructure: a `Pass`, the `Build` the passes share, and `run`, which runs a list of passes over
+one build. It knows no concrete pass: the list of the training build is `passes.training_pipeline()`.
 
 `read` and `infer` are the only stages that see protobuf (onnx's checker, version converter and shape inference
 work on protos); from `infer` on, every pass edits the same `ir.Graph`, and `validate` writes it back once.
 Each pass declares the facts it needs (`requires`) and the facts it makes true (`ensures`); `run` checks them, so
 a pass put in the wrong place fails at once with the missing fact's name instead of producing a wrong graph.
-Optional passes (the bracketed ones) say whether the build's options ask for them.
+Optional passes say in `wanted` whether the build's options ask for them. A pass records what it did as a
+small typed result (`Build.record`); the report is rendered from those results.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import onnx
 
 from .builder import Names
 from .errors import InternalError
 from .ir import Graph, Value
+from .options import Options
 
+__all__ = ["Build", "Options", "Pass", "run"]
 
-@dataclass
-class Options:
-    """What a build is asked to do (the keywords of `api.build`)."""
-
-    loss: str | list[str] | None = None
-    requires_grad: list[str] | None = None
-    frozen: list[str] | None = None
-    also_grad: list[str] | None = None
-    input_shapes: dict[str, list[int]] = field(default_factory=dict)
-    dims: dict[str, int] = field(default_factory=dict)
-    loop_bounds: dict[str, int] = field(default_factory=dict)  # Loop node name -> most iterations
-    feed_head_grads: bool = False
-    loss_fn: str | None = None
-    target: str | None = None
-    loss_options: dict = field(default_factory=dict)
-    optimizer: str | None = None
-    optimizer_options: dict = field(default_factory=dict)
-    mirror: str | None = None                    # a recomputation policy ("mxnet") or None
-    mirror_options: dict = field(default_factory=dict)
-    # precision.precision_settings: the compute precision and the loss scaler (None: no loss scaling)
-    precision: dict = field(default_factory=lambda: {"precision": "fp32", "loss_scale": None})
+R = TypeVar("R")
 
 
 @dataclass
 class Build:
     """The state the passes share: the model (a proto until `infer` makes it a Graph), what the passes
-    decided, and the report."""
+    decided, their results and their seconds."""
 
     source: object                               # a path or a ModelProto, as given
     options: Options
@@ -63,7 +45,8 @@ class Build:
     seeds: list[Value] = field(default_factory=list)   # the gradients the backward starts from (1, or fed inputs)
     training_graph: bool = False                 # the input was written by build-grad (phases in its metadata)
     plan: object = None                          # the recomputation plan the mirror pass applied
-    report: dict = field(default_factory=dict)
+    results: dict[type, object] = field(default_factory=dict)  # result type -> the result a pass recorded
+    seconds: dict[str, float] = field(default_factory=dict)    # pass name -> its seconds, in running order
     facts: set[str] = field(default_factory=set)
 
     def new_names(self) -> Names:
@@ -71,6 +54,14 @@ class Build:
         if self.names is None:
             self.names = Names([*self.graph.values, *(n.name for n in self.graph.nodes)])
         return self.names
+
+    def record(self, result: object) -> None:
+        """Keep a pass's result, one per result type (a later pass of the same kind replaces it)."""
+        self.results[type(result)] = result
+
+    def result(self, kind: type[R]) -> R | None:
+        """The result of that type a pass recorded, or None when no pass did."""
+        return self.results.get(kind)
 
 
 class Pass:
@@ -89,9 +80,8 @@ class Pass:
 
 
 def run(build: Build, passes: list[Pass]) -> Build:
-    """Run the wanted passes in order, checking each one's requirements; the seconds of each go into the
-    report under "passes"."""
-    seconds: dict[str, float] = {}
+    """Run the wanted passes in order, checking each one's requirements; the seconds of each go into
+    `build.seconds`."""
     for p in passes:
         if not p.wanted(build):
             continue
@@ -100,29 +90,6 @@ def run(build: Build, passes: list[Pass]) -> Build:
             raise InternalError(f"the {p.name} pass needs {', '.join(missing)}, which no earlier pass ensures")
         started = time.perf_counter()
         p.run(build)
-        seconds[p.name] = round(time.perf_counter() - started, 4)
+        build.seconds[p.name] = round(time.perf_counter() - started, 4)
         build.facts |= p.ensures
-    build.report["passes"] = seconds
     return build
-
-
-def training_pipeline() -> list[Pass]:
-    """The build of a training graph (or a step graph), in order. A training graph that build-grad wrote is
-    taken up where it was left (`frontend.Adopt`): the loss, lowering and gradient stages then have nothing
-    to do, and the later stages (mirror) run on it."""
-    from .passes import frontend, gradient, loss, mirror, optimizer, precision, schedule, validate
-    return [
-        frontend.Read(),
-        frontend.Infer(),
-        frontend.Adopt(),
-        loss.Heads(),
-        frontend.Lower(),
-        precision.Precision(),
-        gradient.Gradient(),
-        precision.LossScale(),
-        mirror.Mirror(),
-        schedule.Schedule(),
-        optimizer.AppendOptimizer(),
-        precision.WidenBfloat16(),
-        validate.Validate(),
-    ]

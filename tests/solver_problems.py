@@ -67,6 +67,7 @@ def tanh_chain(layers: int, width: int = 256, batch: int = 4096):
     from onnx import TensorProto, helper, numpy_helper
 
     from onnxgrad import pipeline
+    from onnxgrad.passes import training_pipeline
     from onnxgrad.memory.budget import BudgetProblem
     from onnxgrad.memory.cost import CostModel
     from onnxgrad.memory.simulate import simulate, sizes
@@ -85,7 +86,7 @@ def tanh_chain(layers: int, width: int = 256, batch: int = 4096):
     model = helper.make_model(helper.make_graph(nodes, "tanh_chain", io[:1], io[1:], inits),
                               opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     onnx.checker.check_model(model)
-    passes = pipeline.training_pipeline()
+    passes = training_pipeline()
     upto = next(k for k, p in enumerate(passes) if p.name == "mirror")
     build = pipeline.run(pipeline.Build(model, pipeline.Options(loss_fn="mse")), passes[:upto])
     graph = build.graph

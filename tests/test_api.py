@@ -255,3 +255,38 @@ def test_small_integer_subgraphs_are_folded_so_rules_see_constants():
     out = run(train, {"x": np.ones((2, 3), np.float32)})
     np.testing.assert_allclose(out["w_grad"], [2 / 3] * 3, rtol=1e-6)
     assert list(out["s"]) == [2]
+
+
+def test_one_options_object_or_its_keywords():
+    """build() takes an Options, or its fields as keywords (which replace the object's); both write the same
+    graph, and a keyword that is no option is refused by name."""
+    by_keywords = onnxgrad.build(affine(), requires_grad=["w"], optimizer="sgd")
+    options = onnxgrad.Options(requires_grad=["w"], optimizer="sgd")
+    by_options = onnxgrad.build(affine(), options)
+    assert by_options.model.SerializeToString() == by_keywords.model.SerializeToString()
+    assert onnxgrad.build(affine(), options, requires_grad=["b"]).gradient.parameters == ("b",)
+    assert options.requires_grad == ["w"]  # the caller's object is left as it was
+    with pytest.raises(TypeError, match="'requires_gard'"):
+        onnxgrad.build(affine(), requires_gard=["w"])
+    with pytest.raises(onnxgrad.UsageError, match="--precision"):
+        onnxgrad.build(affine(), onnxgrad.Options(precision="fp8"))
+
+
+def test_the_report_is_rendered_from_the_typed_results():
+    result = onnxgrad.build(affine(), also_grad=["z"], mirror="mxnet")
+    r = result.report
+    assert r["loss"] == result.loss.loss == "loss" and result.loss.heads == ("loss",)
+    assert r["parameters"] == list(result.gradient.parameters) == ["w", "b"]
+    assert r["also_grad"] == list(result.gradient.also_grad) == ["z"]
+    assert r["outputs"] == list(result.written.outputs) and r["opset"] == result.written.opset
+    assert (r["forward_nodes"], r["backward_nodes"]) == (result.written.nodes.forward, result.written.nodes.backward)
+    assert r["rules_used"] == result.gradient.rules_used and r["loop_segments"] == result.gradient.loop_segments
+    assert r["mirror"]["predicted"]["peak_bytes"] == result.mirror.peak_bytes
+    assert r["mirror"]["recomputed"] == result.mirror.recomputed
+    assert list(r["passes"]) == list(result.passes) and "heads" in r["passes"]
+    assert result.precision is None and "precision" not in r
+
+
+def test_load_graph_reads_and_types_a_model():
+    graph = onnxgrad.load_graph(onnxgrad.build_gradient(affine()))
+    assert graph.nodes and all(v.is_typed for n in graph.nodes for v in n.outputs if v.name)

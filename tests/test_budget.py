@@ -14,7 +14,8 @@ from onnxgrad.cli import main
 from onnxgrad.errors import UsageError
 from onnxgrad.memory.budget import parse_budget
 from onnxgrad.memory.measure import measure
-from onnxgrad.memory.simulate import load, simulate
+from onnxgrad.api import load_graph as load
+from onnxgrad.memory.simulate import simulate
 from test_mirror import assert_same_outputs, mlp_tail
 
 WORK = 150_000  # the fast solver's effort: enough for these graphs, and seconds per solve

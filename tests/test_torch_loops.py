@@ -155,7 +155,8 @@ def test_stored_carries_simulated_as_measured(tmp_path, steps):
     Measured here (MiB, simulated / measured): 64 steps 66.0 / 65.2 plain, 15.5 / 13.9-14.6 mirrored; 256 steps
     258.0 / 258.1 plain, 27.5 / 26.0-26.6 mirrored."""
     from onnxgrad.memory.measure import measure
-    from onnxgrad.memory.simulate import load, simulate
+    from onnxgrad.api import load_graph as load
+    from onnxgrad.memory.simulate import simulate
     torch.manual_seed(1)
     carry = 128 * 1024 * 4
     model = export(LinearRecurrence(1024), (torch.randn(steps, 128, 1024), torch.zeros(128, 1024)), ["x", "h0"],

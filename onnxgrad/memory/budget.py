@@ -27,7 +27,7 @@ from . import solvers
 from .cost import CostModel
 from .mxnet import RANDOM, MirrorFunction, mxnet_plan
 from .plan import Plan, Step
-from .simulate import format_bytes as _mib
+from .simulate import format_bytes
 from .simulate import peak_of_plan, scratch_bytes
 
 SOLVERS = ("fast", "dp", "exact", "milp")
@@ -300,8 +300,8 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
         return _result(plan, report(solution, unmirrored_peak, None))
     if wanted is not None and wanted < least:
         r = report(None, None, None)
-        raise BudgetError(f"--budget {budget.text}: {_mib(wanted)} is below the least peak any schedule can reach, "
-                          f"{_mib(least)} ({_mib(problem.static_bytes)} of weights and inputs, and the largest "
+        raise BudgetError(f"--budget {budget.text}: {format_bytes(wanted)} is below the least peak any schedule can reach, "
+                          f"{format_bytes(least)} ({format_bytes(problem.static_bytes)} of weights and inputs, and the largest "
                           f"working set of one op)", r)
     limits = solvers.Limits(work=options.work, time_limit=options.time_limit, workers=options.workers)
     front = solvers.front(problem, limits)
@@ -379,7 +379,7 @@ def _choose(bp: BudgetProblem, front: solvers.Front, options: MirrorOptions, tar
 def _no_schedule(budget: Budget, target: int | None, floor: int, which: str, least: int | None) -> str:
     if target is None:
         return "--budget auto: no schedule found"
-    reached = f"the least peak it reaches is {_mib(least)}, " if least is not None else ""
-    return (f"--budget {budget.text}: the {which} solver finds no schedule under {_mib(target)} ({reached}and no "
-            f"schedule can go below {_mib(floor)}; give a larger budget"
+    reached = f"the least peak it reaches is {format_bytes(least)}, " if least is not None else ""
+    return (f"--budget {budget.text}: the {which} solver finds no schedule under {format_bytes(target)} ({reached}and no "
+            f"schedule can go below {format_bytes(floor)}; give a larger budget"
             + (" or try --solver exact)" if which in ("fast", "dp") else ")"))

@@ -22,10 +22,11 @@ Y), goes to the copy.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from ..contract import BACKWARD, FORWARD
 from ..errors import UsageError
-from ..ir import Graph, Node, Value
+from ..ir import Graph, Node
 from .plan import Plan, recompute_before_first_use
 
 HEAVY = frozenset({"Conv", "ConvTranspose", "ConvInteger", "MatMul", "MatMulInteger", "Gemm", "Einsum",
@@ -83,130 +84,171 @@ class MirrorFunction:
 
 
 def mxnet_plan(graph: Graph, nbytes: dict[int, int], mirror: MirrorFunction) -> Plan:
-    """The plan of MXNet's mirroring for a training graph (forward + backward, phases set)."""
-    readers: dict[int, list[Node]] = {}
-    for n in graph.nodes:
-        for v in n.inputs:
-            if v is not None:
-                readers.setdefault(id(v), []).append(n)
-    is_forward = {id(n) for n in graph.nodes if n.phase == FORWARD}
-    heads = [v.producer for v in graph.outputs if v.producer is not None and id(v.producer) in is_forward]
-
-    def forward_inputs(n: Node) -> list[Node]:
-        return [v.producer for v in n.inputs
-                if v is not None and v.producer is not None and id(v.producer) in is_forward]
-
-    # decision per forward node: True = recompute, False = store; absent = undecided
-    decided: dict[int, bool] = {}
-    stored_why: dict[str, str] = {}
-    order_of = {id(n): i for i, n in enumerate(graph.nodes)}
-    worklist = deque(heads)
-    while worklist:
-        item = worklist.popleft()
-        if id(item) in decided:
+    """The plan of MXNet's mirroring for a training graph (forward + backward, phases set): the steps of the
+    module's docstring, one subgraph per work item, then the plan from the nodes left to recompute."""
+    m = _Mirroring(graph, nbytes, mirror)
+    while m.worklist:
+        item = m.worklist.popleft()
+        if id(item) in m.decided:
             continue
-        subgraph: dict[int, Node] = {}
-        topo: list[Node] = []
-        sub_queue = deque([item])
+        sub = _Subgraph(deque([item]))
+        m.grow(sub)
+        m.close(sub)
+        m.store_frontier_groups(sub)
+        for n in sub.topo:  # 4. what is left is recomputed
+            m.decided.setdefault(id(n), True)
+    # only what the backward reads, directly or through other recomputed nodes, is worth recomputing
+    recomputed = _needed_by_backward(graph, {i for i, r in m.decided.items() if r}, m.is_forward)
+    order = recompute_before_first_use(graph, recomputed)
+    return Plan("mxnet", order, _reasons(graph, mirror, recomputed, m.stored_why))
 
-        def grow() -> None:
-            added = []
-            while sub_queue:
-                n = sub_queue.popleft()
-                if id(n) not in subgraph:
-                    subgraph[id(n)] = n
-                    added.append(n)
-                for p in forward_inputs(n):
-                    (sub_queue if mirror(p) else worklist).append(p)
-            topo.extend(sorted(added, key=lambda n: order_of[id(n)]))
 
-        grow()
-        # close the subgraph over the readers of the values it reads
-        changed = True
-        while changed:
-            changed = False
-            for n in list(topo):
-                for v in n.inputs:
+@dataclass
+class _Subgraph:
+    """The subgraph grown from one work item: its nodes by id, in the order they joined (each batch in graph
+    order), and the nodes waiting to join."""
+
+    queue: deque
+    nodes: dict[int, Node] = field(default_factory=dict)
+    topo: list[Node] = field(default_factory=list)
+
+
+class _Mirroring:
+    """The state of one mxnet_plan: the graph's readers, the decision per forward node (True: recompute, False:
+    store; absent: undecided), why a node was stored, and the work items left."""
+
+    def __init__(self, graph: Graph, nbytes: dict[int, int], mirror: MirrorFunction):
+        self.nbytes, self.mirror = nbytes, mirror
+        self.readers: dict[int, list[Node]] = {}
+        for n in graph.nodes:
+            for v in n.inputs:
+                if v is not None:
+                    self.readers.setdefault(id(v), []).append(n)
+        self.is_forward = {id(n) for n in graph.nodes if n.phase == FORWARD}
+        self.order_of = {id(n): i for i, n in enumerate(graph.nodes)}
+        self.decided: dict[int, bool] = {}
+        self.stored_why: dict[str, str] = {}
+        self.worklist = deque(v.producer for v in graph.outputs
+                              if v.producer is not None and id(v.producer) in self.is_forward)
+
+    def forward_inputs(self, n: Node) -> list[Node]:
+        return [v.producer for v in n.inputs
+                if v is not None and v.producer is not None and id(v.producer) in self.is_forward]
+
+    def grow(self, sub: _Subgraph) -> None:
+        """1. Take the queued nodes in, and their forward inputs: through the nodes the mirror function allows;
+        one it refuses becomes a work item."""
+        added = []
+        while sub.queue:
+            n = sub.queue.popleft()
+            if id(n) not in sub.nodes:
+                sub.nodes[id(n)] = n
+                added.append(n)
+            for p in self.forward_inputs(n):
+                (sub.queue if self.mirror(p) else self.worklist).append(p)
+        sub.topo.extend(sorted(added, key=lambda n: self.order_of[id(n)]))
+
+    def close(self, sub: _Subgraph) -> None:
+        """2. A forward node outside the subgraph that reads a value the subgraph reads joins it, with the nodes
+        the mirror function refuses at the ends of the allowed chains it starts."""
+        while (ref := self._outside_reader(sub)) is not None:
+            sub.queue.append(ref)
+            chain = deque([ref])
+            seen = set()
+            while chain:
+                r = chain.popleft()
+                if id(r) in seen:
+                    continue
+                seen.add(id(r))
+                if not self.mirror(r):
+                    sub.queue.append(r)
+                    continue
+                for o in r.outputs:
+                    chain.extend(x for x in self.readers.get(id(o), ()) if id(x) in self.is_forward)
+            self.grow(sub)
+
+    def _outside_reader(self, sub: _Subgraph) -> Node | None:
+        """The first forward node outside the subgraph that reads a value a node of the subgraph reads."""
+        for n in sub.topo:
+            for v in n.inputs:
+                if v is None:
+                    continue
+                for ref in self.readers.get(id(v), ()):
+                    if ref is not n and id(ref) in self.is_forward and id(ref) not in sub.nodes:
+                        return ref
+        return None
+
+    def store_frontier_groups(self, sub: _Subgraph) -> None:
+        """3. Store frontier groups, and move the frontier on, while storing one releases at least what it
+        keeps."""
+        while (group := self._storable_group(sub)) is not None:
+            for cand in group:
+                self.decided[id(cand)] = False
+                self.stored_why[cand.name] = "stored: keeping it releases at least the bytes it holds"
+
+    def _frontier(self, sub: _Subgraph) -> dict[int, Node]:
+        """The undecided nodes of the subgraph whose forward inputs are all stored (refused nodes are decided
+        stored here)."""
+        frontier = {}
+        for n in sub.nodes.values():
+            if not self.mirror(n):
+                self.decided[id(n)] = False
+                continue
+            if id(n) in self.decided:
+                continue
+            if all(not self.mirror(p) or self.decided.get(id(p)) is False for p in self.forward_inputs(n)):
+                frontier[id(n)] = n
+        return frontier
+
+    def _storable_group(self, sub: _Subgraph) -> list[Node] | None:
+        """The first group of frontier nodes that share inputs whose storage releases at least the bytes it
+        newly keeps, or None."""
+        frontier = self._frontier(sub)
+        visited: set[int] = set()
+        for key, first in list(frontier.items()):
+            if key in visited:
+                continue
+            group = self._group(first, frontier)
+            visited.update(group)
+            if self._releases_enough(group.values(), frontier):
+                return list(group.values())
+        return None
+
+    def _group(self, first: Node, frontier: dict[int, Node]) -> dict[int, Node]:
+        """`first` and the frontier nodes that read an input of the group, transitively."""
+        group = {id(first): first}
+        grew = True
+        while grew:
+            grew = False
+            for cand in list(group.values()):
+                for v in cand.inputs:
                     if v is None:
                         continue
-                    for ref in readers.get(id(v), ()):
-                        if ref is n or id(ref) not in is_forward or id(ref) in subgraph:
-                            continue
-                        sub_queue.append(ref)  # it joins, with the heads of the chains it starts
-                        heads_queue = deque([ref])
-                        seen = set()
-                        while heads_queue:
-                            r = heads_queue.popleft()
-                            if id(r) in seen:
-                                continue
-                            seen.add(id(r))
-                            if not mirror(r):
-                                sub_queue.append(r)
-                                continue
-                            for o in r.outputs:
-                                heads_queue.extend(x for x in readers.get(id(o), ()) if id(x) in is_forward)
-                        grow()
-                        changed = True
-                        break
-                    if changed:
-                        break
-                if changed:
-                    break
+                    for ref in self.readers.get(id(v), ()):
+                        if id(ref) in frontier and id(ref) not in group:
+                            group[id(ref)] = ref
+                            grew = True
+        return group
 
-        # move frontier groups off the mirror path while storing them releases at least what it keeps
-        while True:
-            frontier = {}
-            for n in subgraph.values():
-                if not mirror(n):
-                    decided[id(n)] = False
+    def _releases_enough(self, group, frontier: dict[int, Node]) -> bool:
+        """Storing the group's outputs releases (inputs no node outside the frontier reads) at least the bytes
+        it newly keeps (its outputs, and inputs other nodes need anyway)."""
+        allocated: set[int] = set()
+        released: set[int] = set()
+        for cand in group:
+            for o in cand.outputs:
+                if o.name and self.readers.get(id(o)):
+                    allocated.add(id(o))
+            for v in cand.inputs:
+                if v is None:
                     continue
-                if id(n) in decided:
-                    continue
-                if all(not mirror(p) or decided.get(id(p)) is False for p in forward_inputs(n)):
-                    frontier[id(n)] = n
-            moved = False
-            visited: set[int] = set()
-            for key, first in list(frontier.items()):
-                if key in visited:
-                    continue
-                group = {key: first}
-                visited.add(key)
-                grew = True
-                while grew:
-                    grew = False
-                    for cand in list(group.values()):
-                        for v in cand.inputs:
-                            if v is None:
-                                continue
-                            for ref in readers.get(id(v), ()):
-                                if id(ref) in frontier and id(ref) not in group:
-                                    group[id(ref)] = ref
-                                    visited.add(id(ref))
-                                    grew = True
-                allocated: set[int] = set()
-                released: set[int] = set()
-                for cand in group.values():
-                    for o in cand.outputs:
-                        if o.name and readers.get(id(o)):
-                            allocated.add(id(o))
-                    for v in cand.inputs:
-                        if v is None:
-                            continue
-                        outside = [r for r in readers.get(id(v), ()) if id(r) not in frontier]
-                        (allocated if outside else released).add(id(v))
-                if sum(nbytes.get(i, 0) for i in released) >= sum(nbytes.get(i, 0) for i in allocated):
-                    for cand in group.values():
-                        decided[id(cand)] = False
-                        stored_why[cand.name] = "stored: keeping it releases at least the bytes it holds"
-                    moved = True
-                    break
-            if not moved:
-                break
-        for n in topo:
-            decided.setdefault(id(n), True)
+                outside = [r for r in self.readers.get(id(v), ()) if id(r) not in frontier]
+                (allocated if outside else released).add(id(v))
+        return sum(self.nbytes.get(i, 0) for i in released) >= sum(self.nbytes.get(i, 0) for i in allocated)
 
-    # only what the backward reads, directly or through other recomputed nodes, is worth recomputing
-    recomputed = _needed_by_backward(graph, {i for i, r in decided.items() if r}, is_forward)
+
+def _reasons(graph: Graph, mirror: MirrorFunction, recomputed: set[str], stored_why: dict[str, str]) -> dict:
+    """Why each forward node is recomputed, stored or kept."""
     reasons = {}
     for n in graph.nodes:
         if n.phase != FORWARD:
@@ -218,8 +260,7 @@ def mxnet_plan(graph: Graph, nbytes: dict[int, int], mirror: MirrorFunction) -> 
         else:
             ok, why = mirror.decide(n)
             reasons[n.name] = ("stored: " + why) if not ok else "kept: the backward does not read it"
-    order = recompute_before_first_use(graph, recomputed)
-    return Plan("mxnet", order, reasons)
+    return reasons
 
 
 def _needed_by_backward(graph: Graph, chosen: set[int], is_forward: set[int]) -> set[str]:

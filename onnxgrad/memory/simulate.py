@@ -269,17 +269,6 @@ def saved_values(graph: Graph, nbytes: dict[int, int],
     return sorted(out, key=lambda kv: -kv[1])
 
 
-def load(model, dims: dict[str, int] | None = None) -> Graph:
-    """A model from a path (or a ModelProto) as a typed Graph with its symbolic dims bound: the read and infer
-    stages of the build, then onnx's shape inference for anything still untyped."""
-    from ..passes.frontend import Infer, Read
-    from ..pipeline import Build, Options, run
-    from ..shapes import type_everything
-    build = run(Build(model, Options(dims=dict(dims or {}))), [Read(), Infer()])
-    type_everything(build.graph)
-    return build.graph
-
-
 def plot(timelines: dict[str, Timeline], path) -> None:
     """Live bytes against the step of the schedule, one line per graph, into a PNG."""
     try:

@@ -12,6 +12,7 @@ from ..ir import from_model
 from ..pipeline import Build, Pass
 from ..lowering import lower_for_gradient
 from ..gradient import reaching_heads
+from .results import GradientResult, LossResult, ReadResult
 
 
 class Read(Pass):
@@ -24,7 +25,7 @@ class Read(Pass):
         registry.all_rules()  # an unknown rule surfaces here, before the slow part
         proto, build.held, build.data_files = loader.read_apart(build.source)
         loader.check(proto)
-        build.report["source_opset"] = loader.model_opset(proto)
+        build.record(ReadResult(loader.model_opset(proto)))
         build.proto = loader.upgrade_opset(proto)
 
 
@@ -43,7 +44,6 @@ class Infer(Pass):
         proto = fold_to_fixed_point(proto)  # exporters' little axes/shape subgraphs, until none is left
         build.graph = from_model(proto, build.held)
         build.proto = None
-        build.report["forward_nodes"] = len(build.graph.nodes)
 
 
 class Lower(Pass):
@@ -59,7 +59,6 @@ class Lower(Pass):
     def run(self, build: Build) -> None:
         lower_for_gradient(build.graph, build.heads)
         build.reaches_loss = reaching_heads(build.graph, build.heads)
-        build.report["forward_nodes"] = len(build.graph.nodes)
 
 
 class Adopt(Pass):
@@ -100,6 +99,5 @@ class Adopt(Pass):
         build.parameters = [graph.values[name] for name in names if name in graph.values]
         build.training_graph = True
         build.facts |= {"heads", "lowered", "gradient"}
-        build.report.update({"loss": build.heads[0].name, "parameters": [x.name for x in build.parameters],
-                             "also_grad": [], "backward_nodes": sum(n.phase != FORWARD for n in graph.nodes),
-                             "forward_nodes": sum(n.phase == FORWARD for n in graph.nodes), "rules_used": {}})
+        build.record(LossResult(tuple(h.name for h in build.heads)))
+        build.record(GradientResult(tuple(x.name for x in build.parameters)))

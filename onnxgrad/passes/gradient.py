@@ -12,6 +12,7 @@ from ..errors import UnsupportedError, UsageError
 from ..gradient import differentiate, reaching_heads
 from ..ir import Graph, Node, Value, names_defined_in
 from ..pipeline import Build, Pass
+from .results import GradientResult
 
 
 class Gradient(Pass):
@@ -30,9 +31,10 @@ class Gradient(Pass):
                 for name in names_defined_in(sub):
                     names.reserve(name)
         bound_loops(graph, o.loop_bounds, names)
+        loop_segments = None
         if o.mirror is not None:  # recomputation asked for: loops store a carry per segment, not per iteration
-            build.report["loop_segments"] = segment_loops(graph, build.reaches_loss, names)
-            if build.report["loop_segments"]:
+            loop_segments = segment_loops(graph, build.reaches_loss, names)
+            if loop_segments:
                 build.reaches_loss = reaching_heads(graph, heads)
         xs = select_parameters(graph, heads, build.reaches_loss, o.requires_grad, o.frozen)
         us = [find_value(graph, name, "--also-grad") for name in o.also_grad or []]
@@ -56,12 +58,8 @@ class Gradient(Pass):
         inputs = {id(v) for v in graph.inputs}
         graph.inputs.extend(x for x in xs if graph.is_initializer(x) and id(x) not in inputs)
         build.parameters, build.also = xs, us
-        build.report.update({
-            "parameters": [x.name for x in xs],
-            "also_grad": [u.name for u in us],
-            "backward_nodes": sum(n.phase == BACKWARD for n in graph.nodes),
-            "rules_used": dict(sorted(result.rules_used.items())),
-        })
+        build.record(GradientResult(tuple(x.name for x in xs), tuple(u.name for u in us),
+                                    dict(sorted(result.rules_used.items())), loop_segments))
 
 
 def select_parameters(graph: Graph, heads: list[Value], reaches_loss: set[int], requires_grad,

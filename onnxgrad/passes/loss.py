@@ -6,12 +6,13 @@ from ..errors import UsageError
 from ..ir import Graph, Value
 from ..losses import add_loss, find_output
 from ..pipeline import Build, Pass
+from .results import LossResult
 
 LOSS_OPTIONS = {"target_input", "loss_output", "reduction", "class_weights", "ignore_index"}
 
 
 class Heads(Pass):
-    name = "loss"
+    name = "heads"
     requires = frozenset({"graph", "typed"})
     ensures = frozenset({"heads"})
 
@@ -34,7 +35,7 @@ class Heads(Pass):
                                  f"{loss_output!r}; drop --loss")
             loss = add_loss(graph, build.new_names(), o.loss_fn, target, **o.loss_options).name
         build.heads = select_heads(graph, loss)
-        build.report["loss"] = build.heads[0].name
+        build.record(LossResult(tuple(h.name for h in build.heads)))
 
 
 def select_heads(graph: Graph, loss: str | list[str] | None) -> list[Value]:

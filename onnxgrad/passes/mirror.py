@@ -15,12 +15,13 @@ from ..contract import BUDGET_KEY, MIRROR_KEY
 from ..errors import UsageError
 from ..memory import plan as plans
 from ..memory import solvers, sweep
-from ..memory.budget import BudgetError, BudgetProblem, MirrorOptions, budget_policy, recompute_costs
+from ..memory.budget import BudgetProblem, MirrorOptions, budget_policy, recompute_costs
 from ..memory.cost import CostModel
 from ..memory.mxnet import MirrorFunction, mxnet_plan
 from ..memory.simulate import simulate, sizes
 from ..pipeline import Build, Pass
 from ..shapes import type_everything
+from .results import MirrorResult, SweepResult
 
 POLICIES = ("mxnet", "budget")
 
@@ -46,22 +47,18 @@ class Mirror(Pass):
         name_every_node(graph, build.new_names())
         nbytes = sizes(graph, o.dims)
         before = simulate(graph, nbytes=nbytes)
-        bp = None
+        bp = swept = budget = None
         if o.mirror == "budget" or options.sweep:
             bp = BudgetProblem(graph, nbytes, recompute_costs(graph, options, o.dims), options.save)
         if options.sweep:
-            build.report["sweep"] = sweep_rows(build, bp, nbytes, options)
+            swept = sweep_rows(build, bp, nbytes, options)
         timings = {}
         if o.mirror == "mxnet":
             plan = mxnet_plan(graph, nbytes, MirrorFunction(graph, options.save, options.recompute))
         else:
-            try:
-                result = budget_policy(graph, nbytes, bp, options, before.peak, CostModel(symbols=dict(o.dims)))
-            except BudgetError as e:
-                build.report["mirror"] = {"policy": "budget", **e.report.record(),
-                                          "solve_seconds": e.report.solve_seconds}
-                raise
-            plan = result.plan
+            # a BudgetError carries its report; the API's caller writes it
+            result = budget_policy(graph, nbytes, bp, options, before.peak, CostModel(symbols=dict(o.dims)))
+            plan, budget = result.plan, result.report
             timings = plan.timings
             if result.report.budget_bytes is not None:
                 # runners give it to the allocator as its limit (runtime.provider_options)
@@ -73,7 +70,10 @@ class Mirror(Pass):
                           "unmirrored_saved_bytes": sum(b for _, b in before.saved)}
         graph.metadata[MIRROR_KEY] = json.dumps(plan.record(), separators=(",", ":"))
         build.plan = plan
-        build.report["mirror"] = {**plan.record(), "reasons": plan.reasons, **timings}
+        if swept is not None:  # the chosen plan joins the rows
+            chosen = sweep.with_choice(swept, plan.record())
+            swept = SweepResult(chosen["rows"], chosen["table"], chosen["budget_bytes"])
+        build.record(MirrorResult(plan, budget, timings, swept))
 
 
 def sweep_rows(build: Build, bp: BudgetProblem, nbytes: dict[int, int], options: MirrorOptions) -> dict:

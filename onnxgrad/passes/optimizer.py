@@ -16,4 +16,4 @@ class AppendOptimizer(Pass):
     def run(self, build: Build) -> None:
         settings = optim.optimizer_settings(build.options.optimizer, build.options.optimizer_options)
         optim.add_optimizer(build.graph, build.new_names(), settings, [x.name for x in build.parameters],
-                            scaler=build.options.precision.get("loss_scale"))
+                            scaler=build.options.precision_settings["loss_scale"])

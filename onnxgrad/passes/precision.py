@@ -24,6 +24,8 @@ from ..errors import UsageError
 from ..gradient import reaching_heads
 from ..ir import Graph, Node, Value, outer_references
 from ..pipeline import Build, Pass
+from ..rules.subgraphs import as_graph
+from .results import PrecisionResult, WidenResult
 from ..precision import FLOAT32_OPS, HALF_OPS, HALF_TYPES, NOT_IN_BF16
 
 F32 = TensorProto.FLOAT
@@ -36,7 +38,7 @@ class Precision(Pass):
     ensures = frozenset({"precision"})
 
     def wanted(self, build: Build) -> bool:
-        settings = build.options.precision
+        settings = build.options.precision_settings
         asked = settings["precision"] != "fp32" or settings["loss_scale"] is not None
         if build.training_graph and asked:
             flag = f"--precision {settings['precision']}" if settings["precision"] != "fp32" else "--loss-scale"
@@ -45,14 +47,14 @@ class Precision(Pass):
         return asked
 
     def run(self, build: Build) -> None:
-        settings = build.options.precision
+        settings = build.options.precision_settings
         graph = build.graph
         counts = {"half_nodes": 0, "casts": 0}
         if settings["precision"] != "fp32":
             counts = cast_to_precision(graph, build.new_names(), HALF_TYPES[settings["precision"]], build.heads)
             build.reaches_loss = reaching_heads(graph, build.heads)
         graph.metadata[PRECISION_KEY] = json.dumps(settings, separators=(",", ":"))
-        build.report["precision"] = {**settings, **counts}
+        build.record(PrecisionResult(settings["precision"], settings["loss_scale"], **counts))
 
 
 def cast_to_precision(graph: Graph, names: Names, half: int, heads: list[Value]) -> dict:
@@ -156,11 +158,10 @@ class _Rewrite:
     def _rewrite_branches(self, node: Node) -> None:
         """Rewrite each branch of an If as a graph of its own, by the same lists: the outer values it reads stay
         float32 (their producers are pinned), and so do its outputs, so the If's types do not change."""
-        from ..rules.subgraphs import as_graph as _as_graph
         for k, a in enumerate(node.attributes):
             if a.type != onnx.AttributeProto.GRAPH:
                 continue
-            sub = _as_graph(a.g, self.graph)
+            sub = as_graph(a.g, self.graph)
             outer = {v.name for v in sub.inputs}
             counts = cast_to_precision(sub, self.names, self.half, [])
             if counts["casts"]:
@@ -243,11 +244,11 @@ class LossScale(Pass):
     ensures = frozenset({"loss_scale"})
 
     def wanted(self, build: Build) -> bool:
-        return not build.training_graph and build.options.precision.get("loss_scale") is not None
+        return not build.training_graph and build.options.precision_settings["loss_scale"] is not None
 
     def run(self, build: Build) -> None:
         graph, names = build.graph, build.new_names()
-        settings = build.options.precision["loss_scale"]
+        settings = build.options.precision_settings["loss_scale"]
         seeds = [s for s in build.seeds if s.producer is not None and s.producer.name.startswith("seed/")]
         if len(seeds) != 1 or len(build.heads) != 1:
             raise UsageError("loss scaling needs one scalar loss (a --loss-fn, or a scalar --loss) and no fed "
@@ -277,7 +278,6 @@ class LossScale(Pass):
             graph.rename(unscaled, name)
             unscaled.elem_type, unscaled.shape = g.elem_type, g.shape
             graph.outputs[k] = unscaled
-        build.report["loss_scale"] = settings
 
 
 def add_scalar_input(graph: Graph, name: str, initial: np.ndarray) -> Value:
@@ -307,7 +307,7 @@ class WidenBfloat16(Pass):
     def wanted(self, build: Build) -> bool:
         # a bf16 graph built now, or one build-grad wrote and a later command (mirror) takes up
         recorded = json.loads(build.graph.metadata.get(PRECISION_KEY, "{}")).get("precision")
-        return "bf16" in (build.options.precision["precision"], recorded)
+        return "bf16" in (build.options.precision_settings["precision"], recorded)
 
     def run(self, build: Build) -> None:
         graph, names = build.graph, build.new_names()
@@ -345,7 +345,7 @@ class WidenBfloat16(Pass):
                                           [helper.make_attribute("to", bf16)], phase=node.phase))
         if widened:
             graph.reorder(order)
-        build.report.setdefault("precision", {})["widened_inputs"] = widened
+        build.record(WidenResult(widened))
 
 
 VIEWS = frozenset({"Reshape", "Slice", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity", "Expand"})

@@ -20,6 +20,7 @@ from ..contract import BACKWARD, FORWARD, LOSS_KEY, RECOMPUTE, RUNTIME_HINTS
 from ..ir import Graph, Node, Value
 from ..memory.simulate import shares_buffer
 from ..pipeline import Build, Pass
+from .results import ScheduleResult
 
 
 class Schedule(Pass):
@@ -31,7 +32,7 @@ class Schedule(Pass):
         graph = build.graph
         if not is_topological(graph):
             graph.reorder(stable_topological_order(graph.nodes))
-        build.report["anchored_nodes"] = anchor_to_gradient(graph, build.seeds, build.new_names())
+        build.record(ScheduleResult(anchor_to_gradient(graph, build.seeds, build.new_names())))
         graph.metadata.update(RUNTIME_HINTS)
         graph.metadata[LOSS_KEY] = ",".join(h.name for h in build.heads)
 

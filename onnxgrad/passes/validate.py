@@ -6,8 +6,11 @@ from onnx import helper, shape_inference
 
 from .. import weights
 from ..errors import InternalError
+from ..contract import BACKWARD, FORWARD, OPTIMIZER, RECOMPUTE
 from ..pipeline import Build, Pass
 from ..shapes import read_types
+from ..version import __version__
+from .results import NodeCounts, ValidateResult
 
 
 class Validate(Pass):
@@ -19,7 +22,7 @@ class Validate(Pass):
         graph = build.graph
         out = graph.to_model(weights_apart=True)
         out.ir_version = helper.find_min_ir_version_for(list(out.opset_import), ignore_unknown=True)
-        out.producer_name, out.producer_version = "onnxgrad", _version()
+        out.producer_name, out.producer_version = "onnxgrad", __version__
         try:
             out = shape_inference.infer_shapes(out, check_type=True, strict_mode=True)
             weights.check_model(out)
@@ -29,13 +32,6 @@ class Validate(Pass):
         if untyped:
             read_types(out, untyped)
         build.proto = out
-        build.report.update({
-            "outputs": [o.name for o in out.graph.output],
-            "opset": graph.opset,
-            "ir_version": out.ir_version,
-        })
-
-
-def _version() -> str:
-    from .. import __version__
-    return __version__
+        phases = [n.phase for n in graph.nodes]
+        nodes = NodeCounts(*(phases.count(phase) for phase in (FORWARD, RECOMPUTE, BACKWARD, OPTIMIZER)))
+        build.record(ValidateResult(tuple(o.name for o in out.graph.output), graph.opset, out.ir_version, nodes))
