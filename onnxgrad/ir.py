@@ -335,7 +335,7 @@ class Graph:
         return model
 
 
-def _shape_of(type_proto: onnx.TypeProto) -> tuple[int | None, tuple[Dim, ...] | None]:
+def type_shape(type_proto: onnx.TypeProto) -> tuple[int | None, tuple[Dim, ...] | None]:
     if not type_proto.HasField("tensor_type"):
         return None, None
     t = type_proto.tensor_type
@@ -367,7 +367,7 @@ def from_model(model: onnx.ModelProto, weights: dict[str, onnx.TensorProto] | No
     for vi in g.input:
         v = graph.value(vi.name)
         if vi.name not in graph.initializers:
-            v.elem_type, v.shape = _shape_of(vi.type)
+            v.elem_type, v.shape = type_shape(vi.type)
         graph.inputs.append(v)
     for n in g.node:
         inputs = [graph.value(name) if name else None for name in n.input]
@@ -375,7 +375,7 @@ def from_model(model: onnx.ModelProto, weights: dict[str, onnx.TensorProto] | No
         for name in n.output:
             v = graph.value(name) if name else Value("")
             if name in types:
-                v.elem_type, v.shape = _shape_of(types[name])
+                v.elem_type, v.shape = type_shape(types[name])
             outputs.append(v)
         node = graph.add_node(Node(n.op_type, inputs, outputs, n.name, copy.deepcopy(list(n.attribute)), n.domain))
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute):
@@ -386,7 +386,7 @@ def from_model(model: onnx.ModelProto, weights: dict[str, onnx.TensorProto] | No
             node.phase = phase
     for vi in g.output:
         v = graph.value(vi.name)
-        et, shape = _shape_of(vi.type)
+        et, shape = type_shape(vi.type)
         v.elem_type = v.elem_type or et
         v.shape = v.shape if v.shape is not None else shape
         graph.outputs.append(v)

@@ -228,14 +228,14 @@ def _reshaped(shape: tuple[Dim, ...], target: list[int], allowzero: int) -> tupl
 
 def read_types(model: onnx.ModelProto, values: dict[str, Value]) -> int:
     """Fill untyped values from a model's value_info (onnx's shape inference); returns how many were filled."""
-    from .ir import _shape_of
+    from .ir import type_shape
     filled = 0
     g = model.graph
     for vi in list(g.value_info) + list(g.output):
         v = values.get(vi.name)
         if v is None or v.is_typed:
             continue
-        elem, shape = _shape_of(vi.type)
+        elem, shape = type_shape(vi.type)
         if elem:
             v.elem_type = v.elem_type or elem
             v.shape = v.shape if v.shape is not None else shape

@@ -6,7 +6,7 @@ from .solvers import (DEFAULT_WORK, DROP, HOLD, REUSE, SHORT, Limits, Problem, S
                       Solution, SolverTimeout, best_under, build_schedule, floor, make_solution, plan_entry,
                       plan_of_classes, simulate, solve_milp, validate)
 from .solvers import front as _front
-from .solvers.fast import _segment_plan  # noqa: F401
+from .solvers.fast import segment_plan  # noqa: F401
 
 
 def _cuts(problem: Problem) -> tuple[list[int], list[list[int]]]:

@@ -21,7 +21,7 @@ def chen_solution(problem: solver.Problem) -> solver.Solution:
     """Chen et al.'s sqrt(n) scheme on the problem's narrow points."""
     cuts, _ = solver._cuts(problem)
     every = max(1, round(math.sqrt(len(cuts))))
-    return solver.make_solution(problem, solver.build_schedule(problem, solver._segment_plan(problem, every, None)),
+    return solver.make_solution(problem, solver.build_schedule(problem, solver.segment_plan(problem, every, None)),
                                 "chen")
 
 

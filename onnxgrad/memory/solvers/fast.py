@@ -16,7 +16,7 @@ from . import dp
 from .front import Front, OutOfWork, Pool
 from .problem import DROP, HOLD, REUSE, Problem, build_schedule, floor, plan_entry, plan_of_classes
 
-def _segment_plan(problem: Problem, outer: int | None, inner: int | None, held_tail: float = 0.0
+def segment_plan(problem: Problem, outer: int | None, inner: int | None, held_tail: float = 0.0
                   ) -> tuple[int, ...]:
     """The plan of a segmented scheme along the forward region: HOLD at every `outer`-th cut, REUSE at every
     `inner`-th cut between them (REUSE everywhere when `inner` is None: Chen's scheme), DROP elsewhere. Cuts
@@ -65,17 +65,17 @@ def _structured(problem: Problem, pool: Pool) -> None:
     by_distance = sorted(lengths, key=lambda k: abs(math.log(k / middle)))
     for held_tail in (0.0, 0.5):
         for outer in by_distance:
-            pool.evaluate(_segment_plan(problem, outer, None, held_tail))
+            pool.evaluate(segment_plan(problem, outer, None, held_tail))
     for outer in by_distance:
         for inner in sorted({max(2, round(outer ** f)) for f in (0.34, 0.5, 0.67)}):
             if inner < outer and inner <= 32:
-                pool.evaluate(_segment_plan(problem, outer, inner))
+                pool.evaluate(segment_plan(problem, outer, inner))
     for inner in lengths:
         if inner <= 32:
-            pool.evaluate(_segment_plan(problem, None, inner))
+            pool.evaluate(segment_plan(problem, None, inner))
     for held_tail in (0.25, 0.75, 0.125, 0.375, 0.625, 0.875):
         for outer in by_distance:
-            pool.evaluate(_segment_plan(problem, outer, None, held_tail))
+            pool.evaluate(segment_plan(problem, outer, None, held_tail))
 
 
 def _local_search(problem: Problem, pool: Pool, grid: list[int], pairs: bool) -> None:
