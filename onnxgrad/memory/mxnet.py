@@ -113,9 +113,10 @@ def mxnet_plan(graph: Graph, nbytes: dict[int, int], mirror: MirrorFunction) -> 
             added = []
             while sub_queue:
                 n = sub_queue.popleft()
-                if id(n) not in subgraph:
-                    subgraph[id(n)] = n
-                    added.append(n)
+                if id(n) in subgraph:
+                    continue  # its inputs are queued already: expanding it again would walk every path
+                subgraph[id(n)] = n
+                added.append(n)
                 for p in forward_inputs(n):
                     (sub_queue if mirror(p) else worklist).append(p)
             topo.extend(sorted(added, key=lambda n: order_of[id(n)]))
