@@ -141,9 +141,10 @@ class _Mirroring:
         added = []
         while sub.queue:
             n = sub.queue.popleft()
-            if id(n) not in sub.nodes:
-                sub.nodes[id(n)] = n
-                added.append(n)
+            if id(n) in sub.nodes:
+                continue  # its inputs are queued already: expanding it again would walk every path
+            sub.nodes[id(n)] = n
+            added.append(n)
             for p in self.forward_inputs(n):
                 (sub.queue if self.mirror(p) else self.worklist).append(p)
         sub.topo.extend(sorted(added, key=lambda n: self.order_of[id(n)]))

@@ -27,6 +27,19 @@ from functools import cached_property
 import numpy as np
 
 
+@dataclass(frozen=True)
+class Arrays:
+    """A problem's reads (each op's distinct reads, flattened: op i reads read_ops[read_start[i]:][:read_count[i]]),
+    sizes, scratch bytes and kept ops, as numpy arrays."""
+
+    read_count: np.ndarray
+    read_start: np.ndarray
+    read_ops: np.ndarray
+    size: np.ndarray
+    scratch: np.ndarray
+    keep: np.ndarray
+
+
 @dataclass(eq=False)
 class Problem:
     """One recomputation problem. Ops are numbered in a topological order that is the baseline schedule."""
@@ -65,6 +78,16 @@ class Problem:
     def reads(self) -> list[tuple[int, ...]]:
         """The distinct ops each op reads (an op reading one value twice holds it once)."""
         return [tuple(sorted(set(ins))) for ins in self.inputs]
+
+    @cached_property
+    def arrays(self) -> Arrays:
+        """The problem as numpy arrays, for the liveness kernel."""
+        reads = self.reads
+        count = np.fromiter((len(r) for r in reads), dtype=np.int64, count=self.n)
+        start = np.cumsum(count) - count
+        flat = np.fromiter((i for r in reads for i in r), dtype=np.int64, count=int(count.sum()))
+        return Arrays(count, start, flat, np.asarray(self.size, dtype=np.int64),
+                      np.asarray(self.scratch, dtype=np.int64), np.asarray(sorted(self.keep), dtype=np.int64))
 
     @cached_property
     def users(self) -> list[list[int]]:
@@ -131,38 +154,40 @@ def profile(problem: Problem, schedule: list[int], check: bool = False) -> Simul
     its op when nobody reads it; kept outputs are never freed; while an op runs, its inputs and its output are
     live together. With `check`, a schedule that breaks a rule of the problem raises ValueError naming the
     first rule broken (solvers skip the checks on schedules they built)."""
-    n = problem.n
-    reads, size = problem.reads, problem.size
-    length = len(schedule)
-    latest = [-1] * n
-    end = list(range(length))  # freed right after itself unless someone reads it later
     if check:
         _check(problem, schedule)
-    for p, op in enumerate(schedule):
-        for i in reads[op]:
-            end[latest[i]] = p
-        latest[op] = p
-    for k in problem.keep:
-        if latest[k] >= 0:
-            end[latest[k]] = length
-    freed = [0] * (length + 1)
-    for p, e in enumerate(end):
-        freed[e] += size[schedule[p]]
-    live = problem.static_bytes
-    during = [0] * length
-    live_after = [0] * length
-    peak, peak_step = -1, 0
-    scratch = problem.scratch
-    for p, op in enumerate(schedule):
-        live += size[op]
-        during[p] = live + scratch[op]
-        if during[p] > peak:
-            peak, peak_step = during[p], p
-        live -= freed[p]
-        live_after[p] = live
+    length = len(schedule)
+    if length == 0:
+        return Simulation(problem.static_bytes, 0, [], 0.0, [])
+    arrays = problem.arrays
+    ops = np.asarray(schedule, dtype=np.int64)
+    positions = np.arange(length, dtype=np.int64)
+    # every read: (position of the reader, op read), in schedule order
+    count = arrays.read_count[ops]
+    total = int(count.sum())
+    reader = np.repeat(positions, count)
+    first = np.repeat(arrays.read_start[ops] - (np.cumsum(count) - count), count)
+    read = arrays.read_ops[first + np.arange(total, dtype=np.int64)]
+    # the occurrence each read takes: the latest run of the op read before the reader's position
+    stride = length + 1
+    occurrences = np.sort(ops * stride + positions)
+    taken = occurrences[np.searchsorted(occurrences, read * stride + reader) - 1] % stride
+    end = positions.copy()  # freed right after itself unless someone reads it later
+    np.maximum.at(end, taken, reader)
+    last = np.full(problem.n, -1, dtype=np.int64)
+    np.maximum.at(last, ops, positions)
+    kept = last[arrays.keep]
+    end[kept[kept >= 0]] = length
+    size = arrays.size[ops]
+    freed = np.zeros(length + 1, dtype=np.int64)
+    np.add.at(freed, end, size)
+    allocated = np.cumsum(size) + problem.static_bytes
+    live_after = allocated - np.cumsum(freed[:length])
+    during = np.concatenate(([problem.static_bytes], live_after[:-1])) + size + arrays.scratch[ops]
+    peak_step = int(np.argmax(during))
     cost = problem.cost
-    return Simulation(max(peak, problem.static_bytes), peak_step, live_after,
-                      float(sum(cost[op] for op in schedule)), during)
+    return Simulation(max(int(during[peak_step]), problem.static_bytes), peak_step, live_after.tolist(),
+                      float(sum(map(cost.__getitem__, schedule))), during.tolist())
 
 
 def _check(problem: Problem, schedule: list[int]) -> None:
@@ -344,6 +369,16 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
     computed_at = [-1] * n  # stage of the latest run of each op
     schedule: list[int] = []
     for t in range(n):
+        if demands is None:
+            # most ops find every input where it was left: they run alone, with no search for what to recompute
+            for i in reads[t]:
+                at = computed_at[i]
+                if not (t <= horizon[i] if at == i else at >= reuse_from[i]):
+                    break
+            else:
+                schedule.append(t)
+                computed_at[t] = t
+                continue
         need = {t}
         stack = [t]
         while stack:

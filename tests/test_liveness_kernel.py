@@ -1,0 +1,92 @@
+"""The liveness kernel (`profile`) and the staged schedules (`build_schedule`) against plain loops that state
+their rules one step at a time, on random problems and random valid schedules with recomputations."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from onnxgrad.memory.solvers import build_schedule
+from onnxgrad.memory.solvers.problem import profile
+from solver_problems import chain, random_training_dag
+
+
+def plain_profile(problem, schedule):
+    """(peak, peak_step, live_after, cost, during), one position at a time."""
+    length = len(schedule)
+    latest = [-1] * problem.n
+    end = list(range(length))
+    for p, op in enumerate(schedule):
+        for i in problem.reads[op]:
+            end[latest[i]] = p
+        latest[op] = p
+    for k in problem.keep:
+        if latest[k] >= 0:
+            end[latest[k]] = length
+    freed = [0] * (length + 1)
+    for p, e in enumerate(end):
+        freed[e] += problem.size[schedule[p]]
+    live, peak, peak_step = problem.static_bytes, -1, 0
+    during, live_after = [], []
+    for p, op in enumerate(schedule):
+        live += problem.size[op]
+        during.append(live + problem.scratch[op])
+        if during[-1] > peak:
+            peak, peak_step = during[-1], p
+        live -= freed[p]
+        live_after.append(live)
+    return (max(peak, problem.static_bytes), peak_step, live_after, float(sum(problem.cost[op] for op in schedule)),
+            during)
+
+
+def plain_schedule(problem, plan):
+    """The staged schedule, searching every op's inputs the same way (no shortcut for ops that run alone)."""
+    n = problem.n
+    horizon = [plan[i] // (n + 1) if problem.movable[i] else n for i in range(n)]
+    reuse_from = [plan[i] % (n + 1) for i in range(n)]
+    computed_at, schedule = [-1] * n, []
+    for t in range(n):
+        need, stack = {t}, [t]
+        while stack:
+            for i in problem.reads[stack.pop()]:
+                at = computed_at[i]
+                if i in need or (t <= horizon[i] if at == i else at >= reuse_from[i]):
+                    continue
+                need.add(i)
+                stack.append(i)
+        for i in sorted(need):
+            schedule.append(i)
+            computed_at[i] = t
+    return schedule
+
+
+def random_plan(problem, rng):
+    n = problem.n
+    return tuple(rng.randint(0, n) * (n + 1) + rng.randint(0, n) for _ in range(n))
+
+
+PROBLEMS = [chain(6), chain(12, activation_bytes=3, static_bytes=5)] + \
+    [random_training_dag(ops, seed=seed, static_bytes=seed) for ops, seed in ((5, 0), (20, 1), (40, 2), (80, 3))]
+
+
+@pytest.mark.parametrize("index", range(len(PROBLEMS)))
+def test_kernel_and_schedules_match_the_plain_loops(index):
+    problem = PROBLEMS[index]
+    problem.scratch = [random.Random(index).randint(0, 3) for _ in range(problem.n)]
+    problem.__dict__.pop("arrays", None)
+    rng = random.Random(index)
+    plans = [tuple([problem.n * (problem.n + 1)] * problem.n)] + [random_plan(problem, rng) for _ in range(60)]
+    recomputing = 0
+    for plan in plans:
+        schedule = build_schedule(problem, plan)
+        assert schedule == plain_schedule(problem, plan)
+        recomputing += len(schedule) > problem.n
+        sim = profile(problem, schedule, check=True)
+        assert (sim.peak, sim.peak_step, sim.live_after, sim.cost, sim.during) == plain_profile(problem, schedule)
+    assert recomputing > 10  # the plans exercise recomputation, not only the baseline
+
+
+def test_empty_schedule_holds_the_static_bytes():
+    problem = chain(3, static_bytes=7)
+    sim = profile(problem, [])
+    assert (sim.peak, sim.cost, sim.during) == (7, 0.0, [])
