@@ -1,6 +1,7 @@
 """How long `onnxgrad.build_gradient` takes on large forward graphs, and where the time goes.
 
     .venv/bin/python bench/bench_build.py [--sizes 1000,10000,100000] [--repeat 3] [--no-phases] [--run]
+    .venv/bin/python bench/bench_build.py --sizes 250,500,1000 --mirror 0.7x
 
 Each graph is a seeded random DAG of element-wise ops (Add Sub Mul Div Neg Exp Log Sqrt Abs Sum Max Min Where
 Clip Pow) over small float32 tensors: activations of shape [4, 8] and [1, 8], parameters (initializers) of
@@ -178,6 +179,29 @@ def time_build(model: onnx.ModelProto, repeat: int) -> tuple[float, float, dict]
     return best_wall, best_cpu, report
 
 
+def time_mirror(model: onnx.ModelProto, mirror: str, options: dict | None = None) -> tuple[float, dict]:
+    """CPU seconds of one build with recomputation (the mirror pass and its policy included), and its report."""
+    _collect()
+    cpu = time.process_time()
+    report = onnxgrad.build(model, loss="loss", mirror=mirror, mirror_options=options).report
+    return time.process_time() - cpu, report
+
+
+def mirror_table(models: dict[int, onnx.ModelProto], budget: str) -> None:
+    """The build with MXNet's mirroring and with `--budget`, against the plain build, per graph size."""
+    print()
+    print(f"| forward nodes | plain, CPU s | mirror (MXNet), CPU s | ratio | --budget {budget}, CPU s | ratio | "
+          f"solver ops | recomputations |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, model in models.items():
+        _, plain, _ = time_build(model, 1)
+        mxnet, _ = time_mirror(model, "mxnet")
+        budgeted, report = time_mirror(model, "budget", {"budget": budget})
+        m = report["mirror"]
+        print(f"| {n} | {plain:.2f} | {mxnet:.2f} | {mxnet / plain:.1f}x | {budgeted:.2f} | {budgeted / plain:.1f}x | "
+              f"{m.get('problem_ops', '')} | {m.get('recomputations', '')} |", flush=True)
+
+
 def run_once(model: onnx.ModelProto) -> None:
     """Run the training graph in onnxruntime and check the gradients are finite."""
     from onnxgrad import runtime
@@ -211,6 +235,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeat", type=int, default=3, help="runs per size below 100k (best is reported)")
     p.add_argument("--no-phases", action="store_true", help="skip the per-phase timing")
     p.add_argument("--run", action="store_true", help="also run the 1k training graph in onnxruntime")
+    p.add_argument("--mirror", metavar="BUDGET", help="only the table of builds with recomputation: MXNet's "
+                   "mirroring and --budget BUDGET (e.g. 0.7x) against the plain build")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     registry.all_rules()
@@ -222,6 +248,9 @@ def main(argv=None) -> None:
         models[n] = synthetic_model(n)
         print(f"built the {len(models[n].graph.node)}-node forward graph in {time.perf_counter() - t:.2f} s")
     onnxgrad.build(models[sizes[0]], loss="loss")  # warm-up: imports, rule registration
+    if args.mirror:
+        mirror_table(models, args.mirror)
+        return
 
     print()
     print("| forward nodes | seconds (wall) | seconds (CPU) | µs / node (CPU) | backward nodes | runs |")

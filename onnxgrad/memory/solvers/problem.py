@@ -367,6 +367,7 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
     horizon = [plan[i] // (n + 1) if movable[i] else n for i in range(n)]
     reuse_from = [plan[i] % (n + 1) for i in range(n)]
     computed_at = [-1] * n  # stage of the latest run of each op
+    marked = [-1] * n  # the stage whose search last took the op in
     schedule: list[int] = []
     for t in range(n):
         if demands is None:
@@ -379,26 +380,29 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
                 schedule.append(t)
                 computed_at[t] = t
                 continue
-        need = {t}
+        marked[t] = t
+        need = [t]
         stack = [t]
         while stack:
             k = stack.pop()
             for i in reads[k]:
                 if demands is not None and (not demands[i] or demands[i][-1] != t):
                     demands[i].append(t)
-                if i in need:
+                if marked[i] == t:
                     continue
                 at = computed_at[i]
                 if (t <= horizon[i] if at == i else at >= reuse_from[i]):
                     continue
-                need.add(i)
+                marked[i] = t
+                need.append(i)
                 stack.append(i)
         if len(need) == 1:
             schedule.append(t)
             computed_at[t] = t
         else:
-            for i in sorted(need):
-                schedule.append(i)
+            need.sort()
+            schedule.extend(need)
+            for i in need:
                 computed_at[i] = t
     return schedule
 
