@@ -8,7 +8,8 @@ contract.RUNTIME_HINTS), the CPU arena and memory patterns off:
 - while a node runs, its inputs and its outputs are alive together, so the peak is taken during each node.
 - some kernels take working memory of their own while they run (`scratch_bytes`, measured on onnxruntime's
   CPU kernels): Where selects into two output-sized buffers before it merges them, and ConvTranspose unfolds
-  each image into a column buffer.
+  each image into a column buffer. A loop's is its body's peak; a Loop also keeps every iteration's scan outputs
+  and concatenates them after its last iteration (`loop_bytes`).
 The view ops (Reshape, Flatten, Squeeze, Unsqueeze) share their input's buffer, and so do the nodes onnxruntime's
 basic optimizations remove (Identity, a Cast to the type its input has). onnxruntime may also run an
 element-wise node in place, writing its output over an input it is the last reader of; that is not modelled, so
@@ -209,8 +210,8 @@ def loop_bytes(node: Node, nbytes: dict[int, int]) -> int:
     whose sizes are not all known counts zero there (a Loop: its scan outputs once more), so the figure errs low."""
     from ..ir import from_model
     import onnx
-    body = from_model(onnx.helper.make_model(node.attr("body"), opset_imports=[onnx.helper.make_opsetid("", 21)]))
     try:
+        body = from_model(onnx.helper.make_model(node.attr("body"), opset_imports=[onnx.helper.make_opsetid("", 21)]))
         body_bytes = sizes(body)
     except UsageError:
         return sum(nbytes.get(id(v), 0) for v in node.outputs[len(node.inputs) - 2:]) if node.op_type == "Loop" else 0
@@ -228,14 +229,16 @@ def _loop_working(node: Node, body: Graph, body_bytes: dict[int, int], body_peak
     the previous one returned and the Loop keeps every iteration's scan outputs; at the end it allocates its
     outputs, copies the last carries into them and concatenates the kept scan outputs, with the last iteration's
     inputs and outputs still held. A body output that is a view of a body input (`Identity(h)` as a scan output,
-    which is how a carry is stored) is no new buffer: it keeps the carry the iteration before returned. So the
-    peak is the larger of the last iteration (the body's peak, its inputs, the earlier scan outputs) and the end
+    which is how a carry is stored) is no new buffer: it keeps the carry the iteration before returned; a view of
+    another body output is a copy. So the peak is the larger of the last iteration (the body's peak, its inputs, the earlier scan outputs) and the end
     (all of those buffers, the last outputs, and the Loop's outputs): never the body's temporaries and the
     concatenated copy together. Buffers are named (body buffer, iteration) and counted once each."""
     n = len(node.inputs) - 2
+    returned_ids = {id(v) for v in body.outputs}
     aliases = _Buffers()
-    for m in body.nodes:
-        if m.outputs and m.outputs[0].name and shares_buffer(m):
+    for m in body.nodes:  # a view of a value the body also returns is a copy: two outputs never share a buffer
+        if m.outputs and m.outputs[0].name and shares_buffer(m) and \
+                not (id(m.outputs[0]) in returned_ids and id(m.inputs[0]) in returned_ids):
             aliases.root[id(m.outputs[0])] = id(m.inputs[0])
     made = {id(v) for m in body.nodes for v in m.outputs if v.name}
     carry_in = {id(v): j for j, v in enumerate(body.inputs[2:2 + n])}
