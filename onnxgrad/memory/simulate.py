@@ -8,7 +8,8 @@ contract.RUNTIME_HINTS), the CPU arena and memory patterns off:
 - while a node runs, its inputs and its outputs are alive together, so the peak is taken during each node.
 - some kernels take working memory of their own while they run (`scratch_bytes`, measured on onnxruntime's
   CPU kernels): Where selects into two output-sized buffers before it merges them, and ConvTranspose unfolds
-  each image into a column buffer.
+  each image into a column buffer. A loop's is its body's peak; a Loop also keeps every iteration's scan outputs
+  and concatenates them after its last iteration (`loop_bytes`).
 The view ops (Reshape, Flatten, Squeeze, Unsqueeze) share their input's buffer, and so do the nodes onnxruntime's
 basic optimizations remove (Identity, a Cast to the type its input has). onnxruntime may also run an
 element-wise node in place, writing its output over an input it is the last reader of; that is not modelled, so
@@ -204,21 +205,72 @@ def scratch_bytes(node: Node, nbytes: dict[int, int]) -> int:
 
 
 def loop_bytes(node: Node, nbytes: dict[int, int]) -> int:
-    """A loop's working memory: its body's own peak, and for a Loop, its scan outputs once more (onnxruntime keeps
-    each iteration's scan outputs and concatenates them when the loop ends, so both are alive then). A body whose
-    sizes are not all known counts zero there, so the figure errs low."""
+    """A loop's working memory beyond its outputs, which the caller counts for the whole node: for a Scan, which
+    writes each iteration's scan outputs into its own outputs, its body's peak; for a Loop, `_loop_working`. A body
+    whose sizes are not all known counts zero there (a Loop: its scan outputs once more), so the figure errs low."""
     from ..ir import from_model
     import onnx
-    extra = 0
-    if node.op_type == "Loop":
-        extra = sum(nbytes.get(id(v), 0) for v in node.outputs[len(node.inputs) - 2:])
-    body = node.attr("body")
     try:
-        graph = from_model(onnx.helper.make_model(body, opset_imports=[onnx.helper.make_opsetid("", 21)]))
-        extra += simulate(graph).dynamic_peak
+        body = from_model(onnx.helper.make_model(node.attr("body"), opset_imports=[onnx.helper.make_opsetid("", 21)]))
+        body_bytes = sizes(body)
     except UsageError:
-        pass
-    return extra
+        return sum(nbytes.get(id(v), 0) for v in node.outputs[len(node.inputs) - 2:]) if node.op_type == "Loop" else 0
+    body_peak = simulate(body, nbytes=body_bytes).dynamic_peak
+    if node.op_type != "Loop":
+        return body_peak
+    return _loop_working(node, body, body_bytes, body_peak, nbytes)
+
+
+def _loop_working(node: Node, body: Graph, body_bytes: dict[int, int], body_peak: int,
+                  nbytes: dict[int, int]) -> int:
+    """What a Loop holds beyond its outputs, as onnxruntime runs it (measured with `memory.measure` on Loops alone).
+
+    A Loop cannot allocate its outputs before the last iteration ends: each iteration runs the body on the carries
+    the previous one returned and the Loop keeps every iteration's scan outputs; at the end it allocates its
+    outputs, copies the last carries into them and concatenates the kept scan outputs, with the last iteration's
+    inputs and outputs still held. A body output that is a view of a body input (`Identity(h)` as a scan output,
+    which is how a carry is stored) is no new buffer: it keeps the carry the iteration before returned; a view of
+    another body output is a copy. So the peak is the larger of the last iteration (the body's peak, its inputs, the earlier scan outputs) and the end
+    (all of those buffers, the last outputs, and the Loop's outputs): never the body's temporaries and the
+    concatenated copy together. Buffers are named (body buffer, iteration) and counted once each."""
+    n = len(node.inputs) - 2
+    returned_ids = {id(v) for v in body.outputs}
+    aliases = _Buffers()
+    for m in body.nodes:  # a view of a value the body also returns is a copy: two outputs never share a buffer
+        if m.outputs and m.outputs[0].name and shares_buffer(m) and \
+                not (id(m.outputs[0]) in returned_ids and id(m.inputs[0]) in returned_ids):
+            aliases.root[id(m.outputs[0])] = id(m.inputs[0])
+    made = {id(v) for m in body.nodes for v in m.outputs if v.name}
+    carry_in = {id(v): j for j, v in enumerate(body.inputs[2:2 + n])}
+    carry_out, scan_out = body.outputs[1:1 + n], body.outputs[1 + n:]
+
+    def buffer(v: Value, t: int):
+        """(body buffer, iteration) that value `v` of iteration `t` lives in; None for the Loop's inputs (and for a
+        carry the body passes on unchanged, which stays the Loop's input)."""
+        passed = set()
+        while t >= 0:
+            root = aliases.find(id(v))
+            if root in made:
+                return root, t
+            if root not in carry_in or root in passed:
+                return None
+            passed.add(root)
+            v, t = carry_out[carry_in[root]], t - 1  # the carry the iteration before returned
+        return None
+
+    def size(held) -> int:
+        return sum(body_bytes[b[0]] for b in held if b is not None)
+
+    per_iteration = [body_bytes.get(id(v), 0) for v in scan_out]
+    stacked = [nbytes.get(id(v), 0) for v in node.outputs[n:]]
+    trips = next((s // p for s, p in zip(stacked, per_iteration) if p), 2)  # without scan outputs: at least 2
+    outputs = sum(nbytes.get(id(v), 0) for v in node.outputs)
+    kept = {buffer(v, t) for v in scan_out for t in range(trips - 1)}
+    fed = {buffer(v, trips - 1) for v in body.inputs[2:2 + n]}
+    returned = {buffer(v, trips - 1) for v in body.outputs}
+    last_iteration = size(kept | fed) + body_peak
+    end = size(kept | fed | returned) + outputs
+    return max(last_iteration, end) - outputs
 
 
 def _alive_at(graph: Graph, k: int, nbytes: dict[int, int], last: dict, kept: set[int],
