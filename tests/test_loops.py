@@ -377,7 +377,8 @@ def test_simulated_loop_holds_what_onnxruntime_holds(stored, peak_carries):
     carry into them, with the carries of the last two iterations still held, and concatenates the kept scan
     outputs. Identity(h_in) is the carry the iteration before returned (for iteration 0, the Loop's input): 7
     carries kept, the last one, and 1 + 8 in the outputs. Identity(h_out) is a copy: 8 kept, 2 carries, 9 outputs."""
-    from onnxgrad.memory.simulate import load, simulate
+    from onnxgrad.api import load_graph
+    from onnxgrad.memory.simulate import simulate
     n, steps = 2 * 1024 * 1024, 8
     nodes = [h.make_node("Mul", ["h_in", "a"], ["m1"]), h.make_node("Gather", ["x", "i"], ["g"], axis=0),
              h.make_node("Mul", ["g", "a"], ["m2"]), h.make_node("Add", ["m1", "m2"], ["h_out"]),
@@ -392,4 +393,4 @@ def test_simulated_loop_holds_what_onnxruntime_holds(stored, peak_carries):
                          [vi("h_last", T.FLOAT, [n])] + ([vi("hs", T.FLOAT, [steps, n])] if stored else []),
                          [h.make_tensor("steps", T.INT64, [], [steps])])
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
-    assert simulate(load(model)).dynamic_peak == peak_carries * n * 4
+    assert simulate(load_graph(model)).dynamic_peak == peak_carries * n * 4
