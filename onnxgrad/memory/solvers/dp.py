@@ -173,9 +173,11 @@ def _levels(unit: int):
 def table(bl: Blocks, model: Model, M: int) -> tuple[np.ndarray, np.ndarray]:
     """opt[s, t, m] and the choice made there (-1: block s keeps what its backward reads; j: hold what crosses
     into block j), over M memory levels. In opt[s, t, m], what crosses into block s and what the model's `held`
-    says of block t's end are held by the caller, outside m."""
+    says of block t's end are held by the caller, outside m. Ranges of one width are computed together, over
+    every start s and every level at once."""
     L = len(bl.ops)
-    keep_u, cross_u, held_u, free_u = model.keep, model.cross, model.held, model.free
+    keep_u, cross_u, held_u, free_u = (np.asarray(x) for x in (model.keep, model.cross, model.held, model.free))
+    need_u = np.asarray(model.need)
     inf = math.inf
     opt = np.full((L, L, M), inf)
     choice = np.full((L, L, M), -1, dtype=np.int32)
@@ -187,38 +189,42 @@ def table(bl: Blocks, model: Model, M: int) -> tuple[np.ndarray, np.ndarray]:
     # sooner[s, t] = opt[s, t] shifted by what block t holds on from the sweep that made it
     later = np.full((L, L, M), inf)
     sooner = np.full((L, L, M), inf)
+    crossing_in = np.concatenate([[0], cross_u[:-1]]).astype(int)
 
-    def settle(s: int, t: int) -> None:
-        by = cross_u[s - 1] if s else 0
-        if by < M:
-            later[s, t, by:] = opt[s, t, :M - by]
-        by = held_u[t]
-        if by < M:
-            sooner[s, t, by:] = opt[s, t, :M - by]
+    def shifted(rows: np.ndarray, cols: np.ndarray, by: np.ndarray) -> np.ndarray:
+        source = levels_[None, :] - by[:, None]
+        values = opt[rows[:, None], cols[:, None], np.clip(source, 0, M - 1)]
+        return np.where(source >= 0, values, inf)
+
+    def settle(s: np.ndarray, t: np.ndarray) -> None:
+        later[s, t] = shifted(s, t, crossing_in[s])
+        sooner[s, t] = shifted(s, t, held_u[t])
 
     for s in range(L):
         if model.leaf[s] < M:
             opt[s, s, model.leaf[s]:] = leaf_cost[s]
-        settle(s, s)
+    diagonal = np.arange(L)
+    settle(diagonal, diagonal)
     for width in range(1, L):
-        for s in range(L - width):
-            t = s + width
-            best = np.full(M, inf)
-            # block s runs for good: what it keeps is held, what crosses into it is dead unless read later
-            k = keep_u[s]
-            lowest = max(k, model.need[s] - held_u[t] - free_u[s])
-            if lowest < M:
-                best[lowest:] = bl.fwd[s] + opt[s + 1, t, np.minimum(levels_[lowest:] - k + free_u[s], M - 1)]
-            arg = np.full(M, -1, dtype=np.int32)
-            # hold what crosses into block j, for every j in s+1..t at once
-            total_ = (prefix[s + 1:t + 1] - prefix[s])[:, None] + later[s + 1:t + 1, t] + sooner[s, s:t]
-            j = np.argmin(total_, axis=0)
-            value = total_[j, levels_]
-            with np.errstate(invalid="ignore"):
-                better = value < np.where(np.isfinite(best), best - 1e-9 * np.abs(best), inf)
-            opt[s, t] = np.where(better, value, best)
-            choice[s, t] = np.where(better, j + s + 1, arg)
-            settle(s, t)
+        s = np.arange(L - width)
+        t = s + width
+        # block s runs for good: what it keeps is held, what crosses into it is dead unless read later
+        k = keep_u[s]
+        lowest = np.maximum(k, need_u[s] - held_u[t] - free_u[s])
+        reads = np.minimum(levels_[None, :] - k[:, None] + free_u[s][:, None], M - 1)
+        runs = bl.fwd[s][:, None] + opt[(s + 1)[:, None], t[:, None], np.clip(reads, 0, M - 1)]
+        best = np.where(levels_[None, :] >= lowest[:, None], runs, inf)
+        # hold what crosses into block j, for every j in s+1..t at once
+        j = s[:, None] + 1 + np.arange(width)[None, :]
+        total_ = ((prefix[j] - prefix[s][:, None])[:, :, None] + later[j, t[:, None]]
+                  + sooner[s[:, None], j - 1])
+        arg = np.argmin(total_, axis=1)
+        value = np.take_along_axis(total_, arg[:, None, :], axis=1)[:, 0, :]
+        with np.errstate(invalid="ignore"):
+            better = value < np.where(np.isfinite(best), best - 1e-9 * np.abs(best), inf)
+        opt[s, t] = np.where(better, value, best)
+        choice[s, t] = np.where(better, arg + s[:, None] + 1, -1)
+        settle(s, t)
     return opt, choice
 
 
@@ -251,9 +257,38 @@ def _plans(problem: Problem, bl: Blocks, model: Model, opt: np.ndarray, choice: 
     end = problem.forward_end
     first_read = [min((u for u in problem.users[i] if u >= end), default=n) for i in range(n)]
     found: dict[tuple[int, ...], None] = {}
+    walks: set[tuple] = set()
+    inner_stage: dict[tuple[int, int], int] = {}
     for m in range(opt.shape[2]):
         if not math.isfinite(opt[0, L - 1, m]):
             continue
+        # the recursion, in the order its sweeps run: (s, t, memory, stage of the sweep; None: the forward pass);
+        # its walk, (block, the block whose incoming values are held or -1, stage) per step, is all a plan
+        # depends on, so levels that recurse alike give their plan once
+        walk = []
+        stack = [(0, L - 1, m, None)]
+        while stack:
+            s, t, mem, stage = stack.pop()
+            j = int(choice[s, t, mem]) if s < t else -1
+            walk.append((s, j, stage))
+            if j < 0:
+                if s < t:
+                    stack.append((s + 1, t, min(mem - keep_u[s] + free_u[s], top), stage))
+                continue
+            # blocks s..j-1 are reversed from the first stage that reads one of their values other than what
+            # crosses into block j (held for blocks j..t, so still there)
+            inner = inner_stage.get((s, j))
+            if inner is None:
+                right = set(bl.cross[j - 1])
+                inner = inner_stage[s, j] = min((first_read[i] for k in range(s, j) for i in bl.ops[k]
+                                                 if i not in right), default=n)
+            # popped last-in first-out: blocks j..t are reversed first, then s..j-1 from the stage they start at
+            stack.append((s, j - 1, mem - held_u[j - 1], inner))
+            stack.append((j, t, mem - cross_u[j - 1], stage))
+        walk = tuple(walk)
+        if walk in walks:
+            continue
+        walks.add(walk)
         entries = list(base)
         assigned = [False] * n
 
@@ -263,25 +298,11 @@ def _plans(problem: Problem, bl: Blocks, model: Model, opt: np.ndarray, choice: 
                     assigned[i] = True
                     entries[i] = hold if stage is None else plan_entry(n, last_forward, int(stage))
 
-        # the recursion, in the order its sweeps run: (s, t, memory, stage of the sweep; None: the forward pass)
-        stack = [(0, L - 1, m, None)]
-        while stack:
-            s, t, mem, stage = stack.pop()
-            j = int(choice[s, t, mem]) if s < t else -1
+        for s, j, stage in walk:
             if j < 0:
                 store(bl.ops[s] if stage is None else bl.kept[s] + bl.ops[s], stage)
                 store(bl.cross[s], stage)
-                if s < t:
-                    stack.append((s + 1, t, min(mem - keep_u[s] + free_u[s], top), stage))
-                continue
-            store(bl.cross[j - 1], stage)
-            # blocks s..j-1 are reversed from the first stage that reads one of their values other than what
-            # crosses into block j (held for blocks j..t, so still there)
-            right = set(bl.cross[j - 1])
-            inner = min((first_read[i] for k in range(s, j) for i in bl.ops[k] if i not in right),
-                        default=n)
-            # popped last-in first-out: blocks j..t are reversed first, then s..j-1 from the stage they start at
-            stack.append((s, j - 1, mem - held_u[j - 1], inner))
-            stack.append((j, t, mem - cross_u[j - 1], stage))
+            else:
+                store(bl.cross[j - 1], stage)
         found[tuple(entries)] = None
     return list(found)
