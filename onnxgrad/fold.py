@@ -23,6 +23,7 @@ from onnx import helper, numpy_helper
 from .contract import FLOAT_TYPES
 from .errors import UnsupportedError
 from .ir import constant_value
+from .protos import declared_dims
 
 MAX_ELEMENTS = 4096  # larger integer tensors (index tables) are left to run time
 # Each round folds at least one node, so the rounds are bounded by the node count; this bound is far above what
@@ -52,9 +53,9 @@ def _dims(model: onnx.ModelProto) -> dict[str, list[int | str | None]]:
     dims = {}
     g = model.graph
     for vi in [*g.value_info, *g.input, *g.output]:
-        t = vi.type.tensor_type
-        if t.HasField("shape"):
-            dims[vi.name] = [d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in t.shape.dim]
+        declared = declared_dims(vi)
+        if declared is not None:
+            dims[vi.name] = declared
     for init in g.initializer:
         dims[init.name] = list(init.dims)
     return dims

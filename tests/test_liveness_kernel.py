@@ -2,6 +2,7 @@
 their rules one step at a time, on random problems and random valid schedules with recomputations."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -71,9 +72,8 @@ PROBLEMS = [chain(6), chain(12, activation_bytes=3, static_bytes=5)] + \
 
 @pytest.mark.parametrize("index", range(len(PROBLEMS)))
 def test_kernel_and_schedules_match_the_plain_loops(index):
-    problem = PROBLEMS[index]
-    problem.scratch = [random.Random(index).randint(0, 3) for _ in range(problem.n)]
-    problem.__dict__.pop("arrays", None)
+    problem = dataclasses.replace(PROBLEMS[index], scratch=[random.Random(index).randint(0, 3)
+                                                            for _ in range(PROBLEMS[index].n)])
     rng = random.Random(index)
     plans = [tuple([problem.n * (problem.n + 1)] * problem.n)] + [random_plan(problem, rng) for _ in range(60)]
     recomputing = 0

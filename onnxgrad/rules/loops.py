@@ -24,6 +24,7 @@ from ..errors import UnsupportedError
 from ..gradient import differentiate, reaching_heads
 from ..ir import (Graph, Node, Value, attach_implicit_inputs, constant_value, from_model, known_value,
                   names_defined_in, outer_references)
+from ..protos import declared_dims
 from ..registry import rule
 from ..shapes import type_everything
 from .subgraphs import draws_random, needed_nodes, renamed_copy
@@ -255,7 +256,7 @@ def _stack_carries(ctx, body: onnx.GraphProto, body_inputs: list[int], axes_attr
         info = new_body.output.add()
         info.CopyFrom(vi)
         info.name = name
-        shape = _vi_shape(vi)
+        shape = declared_dims(vi)
         outer = Value(op.names.fresh(f"{node.name or node.op_type}_carry{i}"), vi.type.tensor_type.elem_type or None,
                       None if shape is None else (length, *shape))
         outs.append(outer)
@@ -274,13 +275,6 @@ def _stack_carries(ctx, body: onnx.GraphProto, body_inputs: list[int], axes_attr
         node.outputs.append(v)
         op.graph.values[v.name] = v
     return outs
-
-
-def _vi_shape(vi: onnx.ValueInfoProto):
-    t = vi.type.tensor_type
-    if not t.HasField("shape"):
-        return None
-    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim)
 
 
 def _body_input_types(node: Node, body: onnx.GraphProto, n: int, in_axes: list[int]) -> list:
