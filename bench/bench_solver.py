@@ -4,6 +4,14 @@ exact (Checkmate MILP) optimum on small problems.
     .venv/bin/python bench/bench_solver.py [--sizes 100,1000,10000] [--milp-time 60] [--no-milp]
     .venv/bin/python bench/bench_solver.py --solvers [--cp-time 60]     # every solver against the optimum, and
                                                                         # the Gemm+Tanh chains
+    .venv/bin/python bench/bench_solver.py --front [--front-sizes 100,500,10000] [--against DIR]
+                                                        # CPU seconds of `solvers.front` and a digest of its front
+
+`--front`: for uniform chains and random training DAGs (seed 1) of n forward ops, the CPU seconds of
+`solvers.front` (best of 3, `time.process_time`), its number of points and a digest of their (peak, cost). With
+`--against DIR`, the same in a fresh process that imports the `onnxgrad` under DIR (another checkout: the peer),
+run problem by problem beside this tree's, with the ratio of the times and whether the cheapest cost at every
+budget is the same or lower here ("same": the identical front).
 
 `--sizes ''` skips the scale table.
 
@@ -19,12 +27,18 @@ the MILP's cost (status, time) and the fast solver's, as total cost and as extra
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# `--code DIR` (the peer of --against) imports onnxgrad from DIR rather than from this checkout
+_CODE = sys.argv[sys.argv.index("--code") + 1] if "--code" in sys.argv else None
+sys.path.insert(0, _CODE or str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from onnxgrad.memory import solvers  # noqa: E402
@@ -170,6 +184,60 @@ def tanh_table(cp_time: float) -> None:
                   flush=True)
 
 
+def front_problem(kind: str, n: int):
+    return chain(n) if kind == "chain" else random_training_dag(n, 1)
+
+
+def measure_front(kind: str, n: int, repeat: int = 3) -> dict:
+    """CPU seconds of `solvers.front` on a fresh problem (best of `repeat`), and the front's (peak, cost)s."""
+    best, points = math.inf, []
+    for _ in range(repeat):
+        problem = front_problem(kind, n)  # fresh: nothing the problem caches carries over between runs
+        started = time.process_time()
+        front = solvers.front(problem)
+        best = min(best, time.process_time() - started)
+        points = [(c.peak, c.cost) for c in front.points]
+    return {"seconds": best, "points": points, "ops": problem.n}
+
+
+def digest(points: list) -> str:
+    return hashlib.sha1(repr([(p, round(c, 6)) for p, c in points]).encode()).hexdigest()[:10]
+
+
+def never_costlier(points: list, peer: list) -> bool:
+    """At every budget (each peak of either front), the cheapest cost of `points` is at most the peer's."""
+    def cheapest(front, budget):
+        return min((c for p, c in front if p <= budget), default=math.inf)
+    return all(cheapest(points, b) <= cheapest(peer, b) + 1e-9 * (1 + abs(cheapest(peer, b)))
+               for b in sorted({p for p, _ in points + peer}))
+
+
+def front_table(sizes: list[int], against: str | None) -> None:
+    head = "| problem | ops | s |" if against is None else "| problem | ops | peer s | s | peer / this | front |"
+    print(head + " points | digest |")
+    print("|---" * (head.count("|") + 1) + "|")
+    for kind in ("chain", "dag"):
+        for n in sizes:
+            peer = None
+            if against is not None:
+                out = subprocess.run([sys.executable, __file__, "--front-one", f"{kind}:{n}", "--code", against],
+                                     check=True, capture_output=True, text=True,
+                                     env={**os.environ, "PYTHONPATH": against}).stdout
+                peer = json.loads(out.strip().splitlines()[-1])
+            this = measure_front(kind, n)
+            cells = [f"{kind} {n}", str(this["ops"])]
+            if peer is not None:
+                pts, other = [tuple(x) for x in this["points"]], [tuple(x) for x in peer["points"]]
+                verdict = "same" if pts == other else ("never costlier" if never_costlier(pts, other)
+                                                       else "COSTLIER somewhere")
+                cells += [f"{peer['seconds']:.2f}", f"{this['seconds']:.2f}",
+                          f"{peer['seconds'] / this['seconds']:.2f}", verdict]
+            else:
+                cells.append(f"{this['seconds']:.2f}")
+            cells += [str(len(this["points"])), digest(this["points"])]
+            print("| " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100,1000,10000")
@@ -177,7 +245,19 @@ def main() -> None:
     parser.add_argument("--no-milp", action="store_true")
     parser.add_argument("--solvers", action="store_true", help="only the table of every solver against the optimum")
     parser.add_argument("--cp-time", type=float, default=60.0)
+    parser.add_argument("--front", action="store_true", help="only the CPU seconds and digest of solvers.front")
+    parser.add_argument("--front-sizes", default="100,500,10000")
+    parser.add_argument("--against", metavar="DIR", help="with --front: also time the onnxgrad under DIR")
+    parser.add_argument("--front-one", help=argparse.SUPPRESS)  # kind:n, as JSON (the peer's process)
+    parser.add_argument("--code", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.front_one:
+        kind, n = args.front_one.split(":")
+        print(json.dumps(measure_front(kind, int(n))))
+        return
+    if args.front:
+        front_table([int(s) for s in args.front_sizes.split(",")], args.against)
+        return
     if args.solvers:
         solvers_table(args.cp_time, args.milp_time)
         print()
