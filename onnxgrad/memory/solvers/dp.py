@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from .problem import Problem, crossings, plan_entry, profile
 
@@ -170,25 +171,74 @@ def _levels(unit: int):
     return lambda b: np.rint(b / unit).astype(int)
 
 
-def table(bl: Blocks, model: Model, M: int) -> tuple[np.ndarray, np.ndarray]:
-    """opt[s, t, m] and the choice made there (-1: block s keeps what its backward reads; j: hold what crosses
-    into block j), over M memory levels. In opt[s, t, m], what crosses into block s and what the model's `held`
-    says of block t's end are held by the caller, outside m. Ranges of one width are computed together, over
-    every start s and every level at once."""
+@dataclass
+class Workspace:
+    """The arrays a table is computed in, allocated once for the tables of every model (fresh memory costs its
+    page faults every time): opt[s, t, m]; whether block s keeps what its backward reads there (`kept`); opt
+    shifted by what crosses into block s (`later`) and by what block t holds on (`sooner`); a scratch buffer."""
+
+    opt: np.ndarray
+    kept: np.ndarray
+    later: np.ndarray
+    sooner: np.ndarray
+    total: np.ndarray
+
+    @classmethod
+    def of(cls, L: int, M: int) -> "Workspace":
+        return cls(np.empty((L, L, M)), np.empty((L, L, M), dtype=bool), np.empty((L, L, M)), np.empty((L, L, M)),
+                   np.empty(L * L * M // 4 + L * M))
+
+
+@dataclass
+class Table:
+    """opt[s, t, m] of one model over M memory levels, and the choice made at each (-1: block s keeps what its
+    backward reads; j: hold what crosses into block j), worked out per range (s, t) when a plan's recursion
+    first visits it. In opt[s, t, m], what crosses into block s and what the model's `held` says of block t's
+    end are held by the caller, outside m. It reads its workspace: valid until that computes another table."""
+
+    blocks: Blocks
+    model: Model
+    space: Workspace
+    rows: dict[tuple[int, int], np.ndarray]
+
+    @property
+    def opt(self) -> np.ndarray:
+        return self.space.opt
+
+    def choice(self, s: int, t: int) -> np.ndarray:
+        """The choice at (s, t) for every level: the first j of least cost, from the same sums in the same
+        order as the table's minimum."""
+        row = self.rows.get((s, t))
+        if row is None:
+            space, prefix = self.space, _prefix(self.blocks)
+            total_ = (prefix[s + 1:t + 1] - prefix[s])[:, None] + space.later[s + 1:t + 1, t]
+            total_ += space.sooner[s, s:t]
+            row = self.rows[s, t] = np.where(space.kept[s, t], -1, np.argmin(total_, axis=0) + s + 1)
+        return row
+
+
+def _prefix(bl: Blocks) -> np.ndarray:
+    return np.concatenate([[0.0], np.cumsum(bl.fwd)])
+
+
+def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> Table:
+    """opt[s, t, m] over M memory levels (see `Table`). Ranges of one width are computed together, over every
+    start s and every level at once; the choice of j is left to `Table.choice`, for the ranges a plan visits."""
     L = len(bl.ops)
+    space = space or Workspace.of(L, M)
     keep_u, cross_u, held_u, free_u = (np.asarray(x) for x in (model.keep, model.cross, model.held, model.free))
     need_u = np.asarray(model.need)
     inf = math.inf
-    opt = np.full((L, L, M), inf)
-    choice = np.full((L, L, M), -1, dtype=np.int32)
-    prefix = np.concatenate([[0.0], np.cumsum(bl.fwd)])
+    opt, later, sooner = space.opt, space.later, space.sooner
+    for a in (opt, later, sooner):
+        a.fill(inf)
+    space.kept.fill(True)
+    prefix = _prefix(bl)
     levels_ = np.arange(M)
     leaf_cost = np.where(model.redo, bl.fwd, 0.0)
 
     # later[j, t] = opt[j, t] shifted by what crosses into block j: the memory left when that is held;
     # sooner[s, t] = opt[s, t] shifted by what block t holds on from the sweep that made it
-    later = np.full((L, L, M), inf)
-    sooner = np.full((L, L, M), inf)
     crossing_in = np.concatenate([[0], cross_u[:-1]]).astype(int)
 
     def shifted(rows: np.ndarray, cols: np.ndarray, by: np.ndarray) -> np.ndarray:
@@ -200,32 +250,63 @@ def table(bl: Blocks, model: Model, M: int) -> tuple[np.ndarray, np.ndarray]:
         later[s, t] = shifted(s, t, crossing_in[s])
         sooner[s, t] = shifted(s, t, held_u[t])
 
+    # Along the levels every entry is infinite below its first finite level (`lowest`) and constant from its
+    # `settled` level up; a range's entries are bounded by those of the entries they are made of, so each width is
+    # computed over the levels between the least first finite level and the greatest settled one, and the level
+    # above them repeat the top computed one (the same sums, so the same table, about half the work).
+    lowest_of = np.full((L, L), M)
+    settled_of = np.zeros((L, L), dtype=int)
+
+    def bounds(s: np.ndarray, t: np.ndarray) -> None:
+        finite = np.isfinite(opt[s, t])
+        lowest_of[s, t] = np.where(finite.any(axis=1), finite.argmax(axis=1), M)
+        moving = opt[s, t] != opt[s, t, -1:]
+        settled_of[s, t] = np.where(moving.any(axis=1), M - moving[:, ::-1].argmax(axis=1), 0)
+
     for s in range(L):
         if model.leaf[s] < M:
             opt[s, s, model.leaf[s]:] = leaf_cost[s]
     diagonal = np.arange(L)
     settle(diagonal, diagonal)
+    bounds(diagonal, diagonal)
+    item = opt.itemsize
     for width in range(1, L):
-        s = np.arange(L - width)
+        S = L - width
+        s = np.arange(S)
         t = s + width
+        j = s[:, None] + 1 + np.arange(width)[None, :]
         # block s runs for good: what it keeps is held, what crosses into it is dead unless read later
         k = keep_u[s]
         lowest = np.maximum(k, need_u[s] - held_u[t] - free_u[s])
-        reads = np.minimum(levels_[None, :] - k[:, None] + free_u[s][:, None], M - 1)
+        first = min(int(np.maximum(lowest, lowest_of[s + 1, t] + k - free_u[s]).min()),
+                    int(np.maximum(lowest_of[j, t[:, None]] + crossing_in[j], lowest_of[s[:, None], j - 1]
+                                   + held_u[j - 1]).min()))
+        if first >= M:
+            continue  # nothing of this width fits in memory: infinite, as filled
+        last = min(M - 1, max(first, int(np.maximum(lowest, settled_of[s + 1, t] + k - free_u[s]).max()),
+                              int((settled_of[j, t[:, None]] + crossing_in[j]).max()),
+                              int((settled_of[s[:, None], j - 1] + held_u[j - 1]).max())))
+        at = levels_[first:last + 1]
+        reads = np.minimum(at[None, :] - k[:, None] + free_u[s][:, None], M - 1)
         runs = bl.fwd[s][:, None] + opt[(s + 1)[:, None], t[:, None], np.clip(reads, 0, M - 1)]
-        best = np.where(levels_[None, :] >= lowest[:, None], runs, inf)
-        # hold what crosses into block j, for every j in s+1..t at once
-        j = s[:, None] + 1 + np.arange(width)[None, :]
-        total_ = ((prefix[j] - prefix[s][:, None])[:, :, None] + later[j, t[:, None]]
-                  + sooner[s[:, None], j - 1])
-        arg = np.argmin(total_, axis=1)
-        value = np.take_along_axis(total_, arg[:, None, :], axis=1)[:, 0, :]
+        best = np.where(at[None, :] >= lowest[:, None], runs, inf)
+        # hold what crosses into block j = s+1+i, for every i in 0..width-1 at once: later[s+1+i, s+width] and
+        # sooner[s, s+i] lie at regular strides over (s, i, level), so they are read in place
+        on_later = as_strided(later[1:, width:], shape=(S, width, M), strides=((L + 1) * M * item, L * M * item, item))
+        on_sooner = as_strided(sooner, shape=(S, width, M), strides=((L + 1) * M * item, M * item, item))
+        total_ = space.total[:S * width * len(at)].reshape(S, width, len(at))
+        np.add((prefix[j] - prefix[s][:, None])[:, :, None], on_later[:, :, first:last + 1], out=total_)
+        np.add(total_, on_sooner[:, :, first:last + 1], out=total_)
+        value = total_.min(axis=1)
         with np.errstate(invalid="ignore"):
             better = value < np.where(np.isfinite(best), best - 1e-9 * np.abs(best), inf)
-        opt[s, t] = np.where(better, value, best)
-        choice[s, t] = np.where(better, arg + s[:, None] + 1, -1)
+        opt[s, t, first:last + 1] = np.where(better, value, best)
+        opt[s, t, last + 1:] = opt[s, t, last][:, None]
+        space.kept[s, t, first:last + 1] = ~better
+        space.kept[s, t, last + 1:] = space.kept[s, t, last][:, None]
         settle(s, t)
-    return opt, choice
+        bounds(s, t)
+    return Table(bl, model, space, {})
 
 
 def plans(problem: Problem, max_blocks: int = MAX_BLOCKS, levels: int = LEVELS) -> list[tuple[int, ...]]:
@@ -237,17 +318,16 @@ def plans(problem: Problem, max_blocks: int = MAX_BLOCKS, levels: int = LEVELS) 
     span = max(1, problem.baseline_peak - problem.static_bytes)
     unit = max(1, math.ceil(span / levels))
     M = min(levels, math.ceil(span / unit)) + 1
+    space = Workspace.of(len(bl.ops), M)
     found: dict[tuple[int, ...], None] = {}
     for make in MODELS:
-        model = make(bl, unit)
-        opt, choice = table(bl, model, M)
-        for plan in _plans(problem, bl, model, opt, choice):
+        for plan in _plans(problem, table(bl, make(bl, unit), M, space)):
             found[plan] = None
     return list(found)
 
 
-def _plans(problem: Problem, bl: Blocks, model: Model, opt: np.ndarray, choice: np.ndarray
-           ) -> list[tuple[int, ...]]:
+def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
+    bl, model, opt = tab.blocks, tab.model, tab.opt
     L = len(bl.ops)
     keep_u, cross_u, held_u, free_u = model.keep, model.cross, model.held, model.free
     top = opt.shape[2] - 1
@@ -269,7 +349,7 @@ def _plans(problem: Problem, bl: Blocks, model: Model, opt: np.ndarray, choice: 
         stack = [(0, L - 1, m, None)]
         while stack:
             s, t, mem, stage = stack.pop()
-            j = int(choice[s, t, mem]) if s < t else -1
+            j = int(tab.choice(s, t)[mem]) if s < t else -1
             walk.append((s, j, stage))
             if j < 0:
                 if s < t:
