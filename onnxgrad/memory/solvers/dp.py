@@ -199,6 +199,7 @@ class Table:
     blocks: Blocks
     model: Model
     space: Workspace
+    prefix: np.ndarray  # forward cost of blocks 0..k-1 at k
     rows: dict[tuple[int, int], np.ndarray]
 
     @property
@@ -210,7 +211,7 @@ class Table:
         order as the table's minimum."""
         row = self.rows.get((s, t))
         if row is None:
-            space, prefix = self.space, _prefix(self.blocks)
+            space, prefix = self.space, self.prefix
             total_ = (prefix[s + 1:t + 1] - prefix[s])[:, None] + space.later[s + 1:t + 1, t]
             total_ += space.sooner[s, s:t]
             row = self.rows[s, t] = np.where(space.kept[s, t], -1, np.argmin(total_, axis=0) + s + 1)
@@ -306,7 +307,7 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
         space.kept[s, t, last + 1:] = space.kept[s, t, last][:, None]
         settle(s, t)
         bounds(s, t)
-    return Table(bl, model, space, {})
+    return Table(bl, model, space, prefix, {})
 
 
 def plans(problem: Problem, max_blocks: int = MAX_BLOCKS, levels: int = LEVELS) -> list[tuple[int, ...]]:
@@ -329,7 +330,9 @@ def plans(problem: Problem, max_blocks: int = MAX_BLOCKS, levels: int = LEVELS) 
 def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
     bl, model, opt = tab.blocks, tab.model, tab.opt
     L = len(bl.ops)
-    keep_u, cross_u, held_u, free_u = model.keep, model.cross, model.held, model.free
+    # plain ints and lists: the walks below are scalar work, which numpy scalars slow down
+    keep_u, cross_u, held_u, free_u = (np.asarray(x).tolist() for x in (model.keep, model.cross, model.held,
+                                                                         model.free))
     top = opt.shape[2] - 1
     n, last_forward = problem.n, problem.forward_end - 1
     hold = plan_entry(n, n, 0)
@@ -339,8 +342,10 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
     found: dict[tuple[int, ...], None] = {}
     walks: set[tuple] = set()
     inner_stage: dict[tuple[int, int], int] = {}
+    rows: dict[tuple[int, int], list[int]] = {}
+    finite = np.isfinite(opt[0, L - 1]).tolist()
     for m in range(opt.shape[2]):
-        if not math.isfinite(opt[0, L - 1, m]):
+        if not finite[m]:
             continue
         # the recursion, in the order its sweeps run: (s, t, memory, stage of the sweep; None: the forward pass);
         # its walk, (block, the block whose incoming values are held or -1, stage) per step, is all a plan
@@ -349,7 +354,13 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
         stack = [(0, L - 1, m, None)]
         while stack:
             s, t, mem, stage = stack.pop()
-            j = int(tab.choice(s, t)[mem]) if s < t else -1
+            if s < t:
+                row = rows.get((s, t))
+                if row is None:
+                    row = rows[s, t] = tab.choice(s, t).tolist()
+                j = row[mem]
+            else:
+                j = -1
             walk.append((s, j, stage))
             if j < 0:
                 if s < t:
@@ -372,17 +383,18 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
         entries = list(base)
         assigned = [False] * n
 
-        def store(ops, stage):
+        def store(ops, entry):
             for i in ops:
                 if not assigned[i]:
                     assigned[i] = True
-                    entries[i] = hold if stage is None else plan_entry(n, last_forward, int(stage))
+                    entries[i] = entry
 
         for s, j, stage in walk:
+            entry = hold if stage is None else plan_entry(n, last_forward, int(stage))
             if j < 0:
-                store(bl.ops[s] if stage is None else bl.kept[s] + bl.ops[s], stage)
-                store(bl.cross[s], stage)
+                store(bl.ops[s] if stage is None else bl.kept[s] + bl.ops[s], entry)
+                store(bl.cross[s], entry)
             else:
-                store(bl.cross[j - 1], stage)
+                store(bl.cross[j - 1], entry)
         found[tuple(entries)] = None
     return list(found)

@@ -90,6 +90,16 @@ class Problem:
                       np.asarray(self.scratch, dtype=np.int64), np.asarray(sorted(self.keep), dtype=np.int64))
 
     @cached_property
+    def movable_ops(self) -> list[int]:
+        return [i for i, m in enumerate(self.movable) if m]
+
+    @cached_property
+    def movable_reads(self) -> list[tuple[int, ...]]:
+        """The movable ops each op reads: the only inputs a staged schedule may find missing."""
+        movable = self.movable
+        return [tuple(i for i in r if movable[i]) for r in self.reads]
+
+    @cached_property
     def users(self) -> list[list[int]]:
         users: list[list[int]] = [[] for _ in range(self.n)]
         for k, ins in enumerate(self.reads):
@@ -362,6 +372,53 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
                    demands: list[list[int]] | None = None) -> list[int]:
     """The staged schedule of a plan (see the module docstring; entries of ops that are not movable are
     ignored). `demands`, when given, receives for each op the stages at which something read it."""
+    if demands is not None:
+        return _staged(problem, plan, demands)
+    n = problem.n
+    movable_reads, movable_ops = problem.movable_reads, problem.movable_ops
+    # only movable ops are ever missing: an op that runs once is where it was left from its stage on
+    horizon = [n] * n
+    reuse_from = [0] * n
+    stride = n + 1
+    for i in movable_ops:
+        horizon[i], reuse_from[i] = divmod(plan[i], stride)
+    computed_at = list(range(n))  # stage of the latest run of each op (its own until it runs again)
+    marked = [-1] * n  # the stage whose search last took the op in
+    # while no horizon ends inside the forward region, its ops run alone in order (every input where it was left)
+    start = problem.forward_end if min((horizon[i] for i in movable_ops), default=n) >= problem.forward_end - 1 else 0
+    schedule = list(range(start))
+    append, extend = schedule.append, schedule.extend
+    for t in range(start, n):
+        # most ops find every input where it was left: they run alone, with no search for what to recompute
+        for i in movable_reads[t]:
+            at = computed_at[i]
+            if not (t <= horizon[i] if at == i else at >= reuse_from[i]):
+                break
+        else:
+            append(t)
+            continue
+        marked[t] = t
+        need = [t]
+        stack = [t]
+        while stack:
+            for i in movable_reads[stack.pop()]:
+                if marked[i] == t:
+                    continue
+                at = computed_at[i]
+                if (t <= horizon[i] if at == i else at >= reuse_from[i]):
+                    continue
+                marked[i] = t
+                need.append(i)
+                stack.append(i)
+        need.sort()
+        extend(need)
+        for i in need:
+            computed_at[i] = t
+    return schedule
+
+
+def _staged(problem: Problem, plan: tuple[int, ...] | list[int], demands: list[list[int]]) -> list[int]:
+    """`build_schedule`, recording for each op the stages that read it: every op's inputs are searched."""
     n = problem.n
     reads, movable = problem.reads, problem.movable
     horizon = [plan[i] // (n + 1) if movable[i] else n for i in range(n)]
@@ -370,23 +427,13 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
     marked = [-1] * n  # the stage whose search last took the op in
     schedule: list[int] = []
     for t in range(n):
-        if demands is None:
-            # most ops find every input where it was left: they run alone, with no search for what to recompute
-            for i in reads[t]:
-                at = computed_at[i]
-                if not (t <= horizon[i] if at == i else at >= reuse_from[i]):
-                    break
-            else:
-                schedule.append(t)
-                computed_at[t] = t
-                continue
         marked[t] = t
         need = [t]
         stack = [t]
         while stack:
             k = stack.pop()
             for i in reads[k]:
-                if demands is not None and (not demands[i] or demands[i][-1] != t):
+                if not demands[i] or demands[i][-1] != t:
                     demands[i].append(t)
                 if marked[i] == t:
                     continue
