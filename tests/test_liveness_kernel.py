@@ -8,7 +8,9 @@ import random
 import pytest
 
 from onnxgrad.memory.solvers import build_schedule
-from onnxgrad.memory.solvers.problem import profile
+from onnxgrad.memory.solvers import dp
+from onnxgrad.memory.solvers.fast import segment_plan
+from onnxgrad.memory.solvers.problem import measure, profile
 from solver_problems import chain, random_training_dag
 
 
@@ -83,7 +85,33 @@ def test_kernel_and_schedules_match_the_plain_loops(index):
         recomputing += len(schedule) > problem.n
         sim = profile(problem, schedule, check=True)
         assert (sim.peak, sim.peak_step, sim.live_after, sim.cost, sim.during) == plain_profile(problem, schedule)
+        peak, cost, during = measure(problem, schedule)
+        assert (peak, cost, during.tolist()) == (sim.peak, sim.cost, sim.during)
     assert recomputing > 10  # the plans exercise recomputation, not only the baseline
+
+
+@pytest.mark.parametrize("index", range(len(PROBLEMS)))
+def test_the_solvers_plans_match_the_plain_loops(index):
+    """The DP's plans and the segment schemes hold every horizon to the end of the forward region, so their
+    schedules skip the search there: the same schedules as the plain loops, and the same peaks and costs."""
+    problem = PROBLEMS[index]
+    plans = dp.plans(problem) + [segment_plan(problem, outer, inner, tail) for outer in (None, 1, 2, 3)
+                                 for inner in (None, 2) for tail in (0.0, 0.5)]
+    assert len(plans) > 5
+    for plan in plans:
+        schedule = build_schedule(problem, plan)
+        assert schedule == plain_schedule(problem, plan)
+        peak, cost, during = measure(problem, schedule)
+        expected = plain_profile(problem, schedule)
+        assert (peak, cost, during.tolist()) == (expected[0], expected[3], expected[4])
+
+
+def test_costs_add_up_in_schedule_order():
+    """`measure`'s cost is `profile`'s to the last bit: both add the costs in schedule order (costs whose sum
+    depends on the order)."""
+    problem = dataclasses.replace(chain(4), cost=[0.1, 1e16, 0.3, -0.0, 0.7, 1.0, 2.0, 3.0])
+    schedule = [0, 1, 2, 3, 0, 1, 2, 4, 5, 6, 7]
+    assert measure(problem, schedule)[1] == profile(problem, schedule).cost == float(sum(problem.cost[op] for op in schedule))
 
 
 def test_empty_schedule_holds_the_static_bytes():

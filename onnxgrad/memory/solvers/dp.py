@@ -242,14 +242,18 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
     # sooner[s, t] = opt[s, t] shifted by what block t holds on from the sweep that made it
     crossing_in = np.concatenate([[0], cross_u[:-1]]).astype(int)
 
-    def shifted(rows: np.ndarray, cols: np.ndarray, by: np.ndarray) -> np.ndarray:
-        source = levels_[None, :] - by[:, None]
-        values = opt[rows[:, None], cols[:, None], np.clip(source, 0, M - 1)]
-        return np.where(source >= 0, values, inf)
+    def band(a: np.ndarray, width: int) -> np.ndarray:
+        """a[s, s + width] for every s, in place: (L - width, M) at a regular stride."""
+        return as_strided(a[0, width], shape=(L - width, M), strides=(a.strides[0] + a.strides[1], a.strides[2]))
 
-    def settle(s: np.ndarray, t: np.ndarray) -> None:
-        later[s, t] = shifted(s, t, crossing_in[s])
-        sooner[s, t] = shifted(s, t, held_u[t])
+    def settle(width: int) -> None:
+        ranges = band(opt, width)
+        for shifted, by in ((band(later, width), crossing_in[:L - width]), (band(sooner, width), held_u[width:])):
+            # a few distinct shifts (one on a uniform chain): the rows of each are copied as slices
+            for c in np.unique(by).tolist():
+                rows = slice(None) if by[0] == by[-1] == c and (by == c).all() else np.flatnonzero(by == c)
+                if c < M:
+                    shifted[rows, c:] = ranges[rows, :M - c]
 
     # Along the levels every entry is infinite below its first finite level (`lowest`) and constant from its
     # `settled` level up; a range's entries are bounded by those of the entries they are made of, so each width is
@@ -258,18 +262,19 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
     lowest_of = np.full((L, L), M)
     settled_of = np.zeros((L, L), dtype=int)
 
-    def bounds(s: np.ndarray, t: np.ndarray) -> None:
-        finite = np.isfinite(opt[s, t])
-        lowest_of[s, t] = np.where(finite.any(axis=1), finite.argmax(axis=1), M)
-        moving = opt[s, t] != opt[s, t, -1:]
-        settled_of[s, t] = np.where(moving.any(axis=1), M - moving[:, ::-1].argmax(axis=1), 0)
+    def bounds(width: int) -> None:
+        ranges = band(opt, width)
+        s = np.arange(L - width)
+        finite = np.isfinite(ranges)
+        lowest_of[s, s + width] = np.where(finite.any(axis=1), finite.argmax(axis=1), M)
+        moving = ranges != ranges[:, -1:]
+        settled_of[s, s + width] = np.where(moving.any(axis=1), M - moving[:, ::-1].argmax(axis=1), 0)
 
     for s in range(L):
         if model.leaf[s] < M:
             opt[s, s, model.leaf[s]:] = leaf_cost[s]
-    diagonal = np.arange(L)
-    settle(diagonal, diagonal)
-    bounds(diagonal, diagonal)
+    settle(0)
+    bounds(0)
     item = opt.itemsize
     for width in range(1, L):
         S = L - width
@@ -289,7 +294,7 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
                               int((settled_of[s[:, None], j - 1] + held_u[j - 1]).max())))
         at = levels_[first:last + 1]
         reads = np.minimum(at[None, :] - k[:, None] + free_u[s][:, None], M - 1)
-        runs = bl.fwd[s][:, None] + opt[(s + 1)[:, None], t[:, None], np.clip(reads, 0, M - 1)]
+        runs = bl.fwd[s][:, None] + np.take_along_axis(band(opt, width - 1)[1:], np.clip(reads, 0, M - 1), axis=1)
         best = np.where(at[None, :] >= lowest[:, None], runs, inf)
         # hold what crosses into block j = s+1+i, for every i in 0..width-1 at once: later[s+1+i, s+width] and
         # sooner[s, s+i] lie at regular strides over (s, i, level), so they are read in place
@@ -301,12 +306,13 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
         value = total_.min(axis=1)
         with np.errstate(invalid="ignore"):
             better = value < np.where(np.isfinite(best), best - 1e-9 * np.abs(best), inf)
-        opt[s, t, first:last + 1] = np.where(better, value, best)
-        opt[s, t, last + 1:] = opt[s, t, last][:, None]
-        space.kept[s, t, first:last + 1] = ~better
-        space.kept[s, t, last + 1:] = space.kept[s, t, last][:, None]
-        settle(s, t)
-        bounds(s, t)
+        ranges, kept = band(opt, width), band(space.kept, width)
+        ranges[:, first:last + 1] = np.where(better, value, best)
+        ranges[:, last + 1:] = ranges[:, last:last + 1]
+        kept[:, first:last + 1] = ~better
+        kept[:, last + 1:] = kept[:, last:last + 1]
+        settle(width)
+        bounds(width)
     return Table(bl, model, space, prefix, {})
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .problem import Problem, Solution, build_schedule, make_solution, profile
+import numpy as np
+
+from .problem import Problem, Solution, build_schedule, make_solution, measure
 
 
 class OutOfWork(Exception):
@@ -33,7 +35,7 @@ class Pool:
     keep_profiles: bool = False
     seen: dict[tuple[int, ...], tuple[int, float]] = field(default_factory=dict)
     sources: dict[tuple[int, ...], str] = field(default_factory=dict)
-    profiles: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+    profiles: dict[tuple[int, ...], np.ndarray] = field(default_factory=dict)
     evaluations: int = 0
     work: int = 0
     source: str = ""  # credited to the plans evaluated from now on
@@ -45,14 +47,14 @@ class Pool:
         if self.work >= self.work_limit:
             raise OutOfWork
         schedule = build_schedule(self.problem, plan)
-        sim = profile(self.problem, schedule)
+        peak, cost, during = measure(self.problem, schedule)
         self.evaluations += 1
         self.work += len(schedule)
-        self.seen[plan] = (sim.peak, sim.cost)
+        self.seen[plan] = (peak, cost)
         self.sources[plan] = self.source
         if self.keep_profiles:
-            self.profiles[plan] = sim.during
-        return sim.peak, sim.cost
+            self.profiles[plan] = during
+        return peak, cost
 
     def scored(self, plan: tuple[int, ...], budget: int) -> tuple[int, float, int]:
         """(peak, cost, bytes over `budget` summed over the steps)."""
@@ -61,8 +63,8 @@ class Pool:
             return peak, cost, 0
         during = self.profiles.get(plan)
         if during is None:
-            during = profile(self.problem, build_schedule(self.problem, plan)).during
-        return peak, cost, sum(d - budget for d in during if d > budget)
+            during = measure(self.problem, build_schedule(self.problem, plan))[2]
+        return peak, cost, int(np.maximum(during - budget, 0).sum())
 
     def candidates(self) -> list[Candidate]:
         """The Pareto front of the pool: increasing peak, strictly decreasing cost."""

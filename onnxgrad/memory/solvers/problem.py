@@ -30,7 +30,7 @@ import numpy as np
 @dataclass(frozen=True)
 class Arrays:
     """A problem's reads (each op's distinct reads, flattened: op i reads read_ops[read_start[i]:][:read_count[i]]),
-    sizes, scratch bytes and kept ops, as numpy arrays."""
+    sizes, scratch bytes, kept ops and costs, as numpy arrays."""
 
     read_count: np.ndarray
     read_start: np.ndarray
@@ -38,6 +38,7 @@ class Arrays:
     size: np.ndarray
     scratch: np.ndarray
     keep: np.ndarray
+    cost: np.ndarray
 
 
 @dataclass(eq=False)
@@ -87,7 +88,8 @@ class Problem:
         start = np.cumsum(count) - count
         flat = np.fromiter((i for r in reads for i in r), dtype=np.int64, count=int(count.sum()))
         return Arrays(count, start, flat, np.asarray(self.size, dtype=np.int64),
-                      np.asarray(self.scratch, dtype=np.int64), np.asarray(sorted(self.keep), dtype=np.int64))
+                      np.asarray(self.scratch, dtype=np.int64), np.asarray(sorted(self.keep), dtype=np.int64),
+                      np.asarray(self.cost, dtype=float))
 
     @cached_property
     def movable_ops(self) -> list[int]:
@@ -166,11 +168,31 @@ def profile(problem: Problem, schedule: list[int], check: bool = False) -> Simul
     first rule broken (solvers skip the checks on schedules they built)."""
     if check:
         _check(problem, schedule)
-    length = len(schedule)
-    if length == 0:
+    if len(schedule) == 0:
         return Simulation(problem.static_bytes, 0, [], 0.0, [])
+    ops, live_after, during = _liveness(problem, schedule)
+    peak_step = int(np.argmax(during))
+    cost = problem.cost
+    return Simulation(max(int(during[peak_step]), problem.static_bytes), peak_step, live_after.tolist(),
+                      float(sum(map(cost.__getitem__, schedule))), during.tolist())
+
+
+def measure(problem: Problem, schedule: list[int]) -> tuple[int, float, np.ndarray]:
+    """`profile`'s peak and cost of a schedule the solver built, and its live bytes during each step as an
+    array: what a search keeps of each plan."""
+    if len(schedule) == 0:
+        return problem.static_bytes, 0.0, np.zeros(0, dtype=np.int64)
+    ops, _, during = _liveness(problem, schedule)
+    # a running sum adds in schedule order, as `profile`'s sum does, so the cost is the same to the last bit
+    cost = float(np.cumsum(problem.arrays.cost[ops])[-1])
+    return max(int(during.max()), problem.static_bytes), cost, during
+
+
+def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The schedule as an array, and the live bytes after and during each step (see `profile`)."""
+    length = len(schedule)
     arrays = problem.arrays
-    ops = np.asarray(schedule, dtype=np.int64)
+    ops = np.array(schedule, dtype=np.int64)
     positions = np.arange(length, dtype=np.int64)
     # every read: (position of the reader, op read), in schedule order
     count = arrays.read_count[ops]
@@ -184,20 +206,19 @@ def profile(problem: Problem, schedule: list[int], check: bool = False) -> Simul
     taken = occurrences[np.searchsorted(occurrences, read * stride + reader) - 1] % stride
     end = positions.copy()  # freed right after itself unless someone reads it later
     np.maximum.at(end, taken, reader)
-    last = np.full(problem.n, -1, dtype=np.int64)
-    np.maximum.at(last, ops, positions)
-    kept = last[arrays.keep]
-    end[kept[kept >= 0]] = length
+    if len(arrays.keep):
+        # a kept output's last run is never freed: the last occurrence below the next op's first
+        below = np.searchsorted(occurrences, (arrays.keep + 1) * stride) - 1
+        latest = occurrences[np.maximum(below, 0)]
+        ran = (below >= 0) & (latest // stride == arrays.keep)
+        end[latest[ran] % stride] = length
     size = arrays.size[ops]
     freed = np.zeros(length + 1, dtype=np.int64)
     np.add.at(freed, end, size)
     allocated = np.cumsum(size) + problem.static_bytes
     live_after = allocated - np.cumsum(freed[:length])
     during = np.concatenate(([problem.static_bytes], live_after[:-1])) + size + arrays.scratch[ops]
-    peak_step = int(np.argmax(during))
-    cost = problem.cost
-    return Simulation(max(int(during[peak_step]), problem.static_bytes), peak_step, live_after.tolist(),
-                      float(sum(map(cost.__getitem__, schedule))), during.tolist())
+    return ops, live_after, during
 
 
 def _check(problem: Problem, schedule: list[int]) -> None:
