@@ -397,44 +397,37 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
         return _staged(problem, plan, demands)
     n = problem.n
     movable_reads, movable_ops = problem.movable_reads, problem.movable_ops
-    # only movable ops are ever missing: an op that runs once is where it was left from its stage on
-    horizon = [n] * n
+    # good[i]: the last stage at which op i's latest copy serves a reader. Its first run serves up to its horizon;
+    # a copy recomputed at stage t serves to the end if t is at or after the op's reuse stage, else stage t alone.
+    # Only movable ops are ever missing: an op that runs once is where it was left from its stage on.
+    good = [n] * n
     reuse_from = [0] * n
     stride = n + 1
     for i in movable_ops:
-        horizon[i], reuse_from[i] = divmod(plan[i], stride)
-    computed_at = list(range(n))  # stage of the latest run of each op (its own until it runs again)
-    marked = [-1] * n  # the stage whose search last took the op in
+        good[i], reuse_from[i] = divmod(plan[i], stride)
     # while no horizon ends inside the forward region, its ops run alone in order (every input where it was left)
-    start = problem.forward_end if min((horizon[i] for i in movable_ops), default=n) >= problem.forward_end - 1 else 0
+    start = problem.forward_end if min((good[i] for i in movable_ops), default=n) >= problem.forward_end - 1 else 0
     schedule = list(range(start))
     append, extend = schedule.append, schedule.extend
     for t in range(start, n):
         # most ops find every input where it was left: they run alone, with no search for what to recompute
         for i in movable_reads[t]:
-            at = computed_at[i]
-            if not (t <= horizon[i] if at == i else at >= reuse_from[i]):
+            if t > good[i]:
                 break
         else:
             append(t)
             continue
-        marked[t] = t
+        # what op t needs, transitively, that no copy serves: recomputed at this stage, in index order (a copy
+        # taken in serves stage t at once, so nothing is taken twice)
         need = [t]
-        stack = [t]
-        while stack:
-            for i in movable_reads[stack.pop()]:
-                if marked[i] == t:
+        for k in need:
+            for i in movable_reads[k]:
+                if t <= good[i]:
                     continue
-                at = computed_at[i]
-                if (t <= horizon[i] if at == i else at >= reuse_from[i]):
-                    continue
-                marked[i] = t
+                good[i] = n if t >= reuse_from[i] else t
                 need.append(i)
-                stack.append(i)
         need.sort()
         extend(need)
-        for i in need:
-            computed_at[i] = t
     return schedule
 
 
