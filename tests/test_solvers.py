@@ -83,6 +83,26 @@ def test_a_budget_at_or_above_the_plain_peak_returns_at_once():
     assert time.perf_counter() - started < 2.0
 
 
+def test_a_budget_at_or_above_the_plain_peak_builds_no_plan(monkeypatch):
+    """At or above the plain peak every solver answers with the baseline before any search: no table, no
+    schedule built, no constraint program."""
+    import importlib
+    problem = random_training_dag(300, 2)
+
+    def searched(*args, **kwargs):
+        raise AssertionError("a search ran for a budget the baseline meets")
+    for module, name in (("fast", "fast_front"), ("dp", "plans"), ("problem", "build_schedule"), ("exact", "solve_exact"),
+                         ("milp", "solve_milp")):
+        monkeypatch.setattr(importlib.import_module(f"onnxgrad.memory.solvers.{module}"), name, searched)
+    for name in ("solve_exact", "solve_milp", "fast_front", "build_schedule"):
+        monkeypatch.setattr(solvers, name, searched)
+    for name in solvers.SOLVERS:
+        for budget in (problem.baseline_peak, problem.baseline_peak + 1):
+            solution = solvers.solve(problem, budget, name)
+            assert solution.extra_cost == 0 and solution.schedule == problem.baseline
+            assert solution.peak == problem.baseline_peak
+
+
 def test_the_front_is_an_object_not_a_cache_on_the_problem():
     problem = random_training_dag(20, 5)
     a = solvers.front(problem, solvers.Limits(work=WORK))
