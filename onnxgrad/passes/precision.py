@@ -214,7 +214,9 @@ class _Rewrite:
         # (initializers, constants), float32 when it meets a float32 activation (as PyTorch promotes a sum)
         ins = [node.inputs[i] for i in castable]
         if not any(v.elem_type == self.half for v in ins):
-            return None
+            # an op with no half kernel in ONNX (Sin in bfloat16) reads its half inputs as float32
+            uncastable = [v for i, v in enumerate(node.inputs) if i not in castable and v is not None]
+            return F32 if any(v.elem_type == self.half and id(v) in self.versions for v in uncastable) else None
         if any(v.elem_type == F32 and id(v) in self.data for v in ins):
             return F32
         return self.half
