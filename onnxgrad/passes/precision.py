@@ -339,11 +339,11 @@ def sum_in_float32(graph: Graph, names: Names) -> int:
     is cast back to half for the other readers. A Sum of two half values is left alone: one addition rounds
     once in half as it does after a float32 addition. Returns the number of nodes rewritten."""
     order: list[Node] = []
-    dropped: list[Node] = []
+    dropped: dict[int, Node] = {}
     outputs = {id(v) for v in graph.outputs}
     widened = 0
     for node in list(graph.nodes):
-        if any(node is d for d in dropped):
+        if id(node) in dropped:
             continue
         order.append(node)
         y = node.outputs[0] if node.outputs else None
@@ -351,8 +351,9 @@ def sum_in_float32(graph: Graph, names: Names) -> int:
                 or y.elem_type not in HALF_TYPES.values() or not (node.op_type in SUMS or node.op_type == "Sum")):
             continue
         half = y.elem_type
-        wide = [r for r, i in y.uses if r.op_type == "Cast" and r.attr("to") == F32 and r.domain in ("", "ai.onnx")]
-        narrow = [(r, i) for r, i in y.uses if not any(r is w for w in wide)]
+        wide = {id(r): r for r, _ in y.uses if r.op_type == "Cast" and r.attr("to") == F32
+                and r.domain in ("", "ai.onnx")}
+        narrow = [(r, i) for r, i in y.uses if id(r) not in wide]
         if node.op_type == "Sum" and len(node.inputs) < 3 and narrow:
             continue
         if any(i >= len(r.inputs) for r, i in narrow):  # read by name inside a subgraph: its type must stay
@@ -374,7 +375,7 @@ def sum_in_float32(graph: Graph, names: Names) -> int:
             for r, i in narrow:
                 r.set_input(i, h)
             order.extend(back.emitted)
-        for cast in wide:  # now a Cast of a float32 value to float32: its readers read the sum itself
+        for cast in wide.values():  # now a Cast of a float32 value to float32: its readers read the sum itself
             out = cast.outputs[0]
             if id(out) in outputs:
                 if id(y) in outputs:
@@ -387,10 +388,10 @@ def sum_in_float32(graph: Graph, names: Names) -> int:
                 graph.outputs[k] = y
                 outputs = {id(v) for v in graph.outputs}
             graph.replace_all_uses(out, y)
-            dropped.append(cast)
+            dropped[id(cast)] = cast
         widened += 1
-    graph.remove(dropped)
-    graph.reorder([n for n in order if not any(n is d for d in dropped)])
+    graph.remove(dropped.values())
+    graph.reorder([n for n in order if id(n) not in dropped])
     return widened
 
 
