@@ -23,11 +23,14 @@ HALF_OPS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose", "Attention"})
 # ConvTranspose (and a ConvTranspose's a Conv), which onnxruntime's CUDA provider has no bfloat16 kernel for, and
 # Attention's gradient rule contracts with Einsum, which ONNX defines for no bfloat16 type
 NOT_IN_BF16 = frozenset({"Conv", "ConvTranspose", "Attention"})
-# run in float32: half inputs are cast back up
-FLOAT32_OPS = frozenset({
-    # reductions, and the ops that sum along an axis
+# reductions, and the ops that sum along an axis: in float32 in the forward (below), and in the backward too,
+# where a gradient's reduction (a broadcast's, a scalar weight's) is rewritten to accumulate in float32
+SUMS = frozenset({
     "ReduceSum", "ReduceMean", "ReduceProd", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceLogSum",
     "ReduceLogSumExp", "CumSum", "GlobalAveragePool", "GlobalLpPool", "LpPool",
+})
+# run in float32: half inputs are cast back up
+FLOAT32_OPS = SUMS | frozenset({
     # exponentials, logarithms, powers
     "Softmax", "LogSoftmax", "Hardmax", "Exp", "Log", "Pow", "Reciprocal", "Softplus", "Softsign",
     "Tan", "Acos", "Asin", "Acosh", "Asinh", "Atanh", "Cosh", "Sinh",
@@ -36,6 +39,14 @@ FLOAT32_OPS = frozenset({
     "LpNormalization", "MeanVarianceNormalization", "RMSNormalization", "LRN",
     # losses
     "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss",
+})
+# ...of which the normalisations hand their result back in the half type their input came in, as autocast runs
+# batch_norm (cuDNN takes a half X with float32 statistics and returns half): a normalised result has no range
+# to lose, and the element-wise ops after it (Relu, a residual Add) then run in half and keep half values for
+# the backward instead of float32 ones. Readers that run in float32 still read the float32 result.
+HALF_RESULT_OPS = frozenset({
+    "BatchNormalization", "LayerNormalization", "InstanceNormalization", "GroupNormalization",
+    "MeanVarianceNormalization", "RMSNormalization",
 })
 
 # torch.cuda.amp.GradScaler's defaults

@@ -79,3 +79,59 @@ def reference_steps(step: onnx.ModelProto, feeds: dict[str, np.ndarray], steps: 
         losses.append(float(out[loss]))
         state = {name: out[nxt] for name, nxt in pairs.items()}
     return losses, state
+
+
+def conv_bn_block(channels: int = 8, classes: int = 4, seed: int = 0, activation: str = "Relu") -> onnx.ModelProto:
+    """A ResNet basic block: x[N, 3, 8, 8] -> Conv -> BatchNormalization -> Relu -> Conv -> BatchNormalization
+    (inference form) -> Add (the first Relu's output) -> Relu -> GlobalAveragePool -> Gemm -> logits. The first
+    BatchNormalization computes batch statistics (training_mode=1), the second uses stored ones. `activation`
+    "Tanh" gives the same graph without kinks (in half precision a few of a Relu's normalised inputs, near zero,
+    change sign, and their elements' gradients with them)."""
+    rng = np.random.default_rng(seed)
+
+    def conv_weight(cout, cin):
+        return (rng.standard_normal((cout, cin, 3, 3)) / np.sqrt(cin * 9)).astype(np.float32)
+
+    c = channels
+    inits = {"w1": conv_weight(c, 3), "w2": conv_weight(c, c),
+             "s1": (1 + 0.1 * rng.standard_normal(c)).astype(np.float32), "b1": (0.1 * rng.standard_normal(c)).astype(np.float32),
+             "m1": np.zeros(c, np.float32), "v1": np.ones(c, np.float32),
+             "s2": (1 + 0.1 * rng.standard_normal(c)).astype(np.float32), "b2": (0.1 * rng.standard_normal(c)).astype(np.float32),
+             "m2": (0.1 * rng.standard_normal(c)).astype(np.float32), "v2": rng.uniform(0.5, 1.5, c).astype(np.float32),
+             "wf": (rng.standard_normal((classes, c)) / np.sqrt(c)).astype(np.float32), "bf": np.zeros(classes, np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c1", "s1", "b1", "m1", "v1"], ["n1", "rm1", "rv1"], name="bn1",
+                              training_mode=1),
+             helper.make_node(activation, ["n1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c2", "s2", "b2", "m2", "v2"], ["n2"], name="bn2"),
+             helper.make_node("Add", ["n2", "r1"], ["sum"], name="residual"),
+             helper.make_node(activation, ["sum"], ["r2"], name="relu2"),
+             helper.make_node("GlobalAveragePool", ["r2"], ["pooled"], name="pool"),
+             helper.make_node("Flatten", ["pooled"], ["flat"], name="flatten"),
+             helper.make_node("Gemm", ["flat", "wf", "bf"], ["logits"], name="fc", transB=1)]
+    graph = helper.make_graph(
+        nodes, "conv_bn_block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", classes])],
+        [numpy_helper.from_array(a, n) for n, a in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def scaled_activation(rows: int = 64, width: int = 256, seed: int = 0) -> onnx.ModelProto:
+    """x[N, width] -> MatMul -> Mul by a scalar weight `half_` (0.5, as GELU's) -> Tanh, and the same activation
+    read three times (Tanh, Sin, Mul by itself) so that its gradient adds three contributions -> y[N, width].
+    The scalar's gradient adds up N * width products."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="fc"),
+             helper.make_node("Mul", ["h", "half_"], ["z"], name="scale"),
+             helper.make_node("Tanh", ["z"], ["t"], name="tanh"),
+             helper.make_node("Sin", ["z"], ["s"], name="sin"),
+             helper.make_node("Mul", ["z", "z"], ["q"], name="square"),
+             helper.make_node("Add", ["t", "s"], ["ts"], name="add1"),
+             helper.make_node("Add", ["ts", "q"], ["y"], name="add2")]
+    graph = helper.make_graph(
+        nodes, "scaled_activation", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(0.5, np.float32), "half_")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)

@@ -18,7 +18,8 @@ from onnx.reference import ReferenceEvaluator
 import onnxgrad
 from onnxgrad.errors import UsageError
 from onnxgrad.precision import NOT_IN_BF16
-from precision_models import blobs, initial_state, reference_steps, shipped, shipped_feeds, tanh_classifier
+from precision_models import (blobs, conv_bn_block, initial_state, reference_steps, scaled_activation, shipped,
+                              shipped_feeds, tanh_classifier)
 
 HALF = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 # ||g_half - g_fp32|| / ||g_fp32|| per parameter, the denominator at least 1% of the largest gradient's norm (a
@@ -342,6 +343,110 @@ def test_simulated_activation_peak_of_a_half_precision_graph_is_about_half():
         saved = sum(b for _, b in t.saved) / sum(b for _, b in base.saved)
         assert 0.45 < t.dynamic_peak / base.dynamic_peak < 0.6 and 0.45 < saved < 0.6, (precision, saved)
         assert t.static >= base.static  # float32 master weights (and the scaler's state in fp16)
+
+
+# -- half activations, float32 sums -------------------------------------------------------------------------------
+
+def block_feeds(rows: int = 16, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((rows, 3, 8, 8)).astype(np.float32), "target": np.arange(rows) % 4}
+
+
+def typed_graph(model: onnx.ModelProto):
+    from onnxgrad.ir import from_model
+    from onnxgrad.shapes import type_everything
+    graph = from_model(model)
+    type_everything(graph)
+    return graph
+
+
+def kept_for_the_backward(graph) -> dict[str, object]:
+    """The forward values a backward or recomputed node reads: what the forward keeps for the backward."""
+    return {v.name: v for n in graph.nodes if n.phase in ("backward", "recompute") for v in n.all_inputs
+            if v is not None and v.producer is not None and v.producer.phase == "forward"}
+
+
+def test_fp16_conv_block_keeps_only_half_activations():
+    """BatchNormalization runs in float32 and hands its result back in half, so the Relus and the residual Add run
+    in half; the float32 copies BatchNormalization's gradient reads are recomputed in the backward from the half
+    Conv outputs, and so are the half copies of the weights and of the input (kept anyway in float32)."""
+    train = onnxgrad.build_gradient(conv_bn_block(), precision="fp16", loss_fn="cross-entropy", dims={"N": 16})
+    graph = typed_graph(train)
+    by = {n.name: n for n in graph.nodes}
+    f16, f32 = TensorProto.FLOAT16, TensorProto.FLOAT
+    for name in ("relu1", "residual", "relu2"):
+        assert by[name].outputs[0].elem_type == f16, name
+    for name in ("bn1", "bn2"):
+        assert by[name].inputs[0].elem_type == f32 and by[name].outputs[0].elem_type == f32
+        assert [r.op_type for r, _ in by[name].outputs[0].uses] == ["Cast"]
+    kept = kept_for_the_backward(graph)
+    assert {name for name, v in kept.items() if v.elem_type != f16} == {"logits"}  # the loss's input, [N, 4]
+    assert {"c1", "c2", "r1", "r2"} <= set(kept)
+    recomputed = {n.inputs[0].name for n in graph.nodes if n.phase == "recompute"}
+    assert all(by_op == "Cast" for by_op in (n.op_type for n in graph.nodes if n.phase == "recompute"))
+    assert {"c1", "c2", "x", "w2", "wf"} <= recomputed
+    report = onnxgrad.build(conv_bn_block(), precision="fp16", loss_fn="cross-entropy", dims={"N": 16}).precision
+    assert report.recomputed_casts == len(recomputed)
+
+    step32, step16 = (typed_graph(onnxgrad.build_gradient(conv_bn_block(), precision=p, loss_fn="cross-entropy",
+                                                          optimizer="sgd", dims={"N": 64})) for p in ("fp32", "fp16"))
+    kept32, kept16 = (sum(v.nbytes for v in kept_for_the_backward(g).values()) for g in (step32, step16))
+    assert kept16 / kept32 < 0.52, (kept16, kept32)
+
+
+@pytest.mark.parametrize("mirror", [None, "mxnet"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_conv_block_gradients_agree_with_float32(precision, mirror):
+    """The block with Tanh (no kinks to flip), also mirrored: the recomputed Casts give the same numbers."""
+    options = {"loss_fn": "cross-entropy", "mirror": mirror, "dims": {"N": 16}}
+    model = conv_bn_block(activation="Tanh")
+    ref = gradients(model, "fp32", block_feeds(), **options)
+    got = gradients(model, precision, block_feeds(), **options)
+    errors = gradient_errors(ref, got)
+    assert 0 < max(errors.values()) < GRAD_TOL[precision], errors
+
+
+def test_mirroring_an_fp16_training_graph_with_recomputed_casts():
+    """mirror takes up a training graph whose Casts build-grad already recomputes; the gradients stay right."""
+    train = onnxgrad.build_gradient(conv_bn_block(), precision="fp16", loss_fn="cross-entropy")
+    mirrored = onnxgrad.build(train, mirror="mxnet", dims={"N": 16}).model
+    recomputed = Counter(n.name for n in train.graph.node if n.name.endswith("_mirror"))
+    assert len(mirrored.graph.node) > len(train.graph.node) and recomputed
+    feeds = {**block_feeds(), "loss_scale": np.array(1.0, np.float32)}
+    names = [o.name for o in train.graph.output if o.name.endswith("_grad")]
+    before = dict(zip(names, ReferenceEvaluator(train).run(names, feeds)))
+    after = dict(zip(names, ReferenceEvaluator(mirrored).run(names, feeds)))
+    for k in names:
+        np.testing.assert_array_equal(before[k], after[k])
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_backward_sums_of_half_gradients_accumulate_in_float32(precision):
+    """A scalar weight's gradient adds up every element of an activation (64 x 256 here), and a value read three
+    times adds three contributions: both sums read float32 inputs, and a float32 parameter's gradient is the
+    float32 sum itself (no Cast back and forth)."""
+    train = onnxgrad.build_gradient(scaled_activation(), precision=precision, loss_fn="mse")
+    graph = typed_graph(train)
+    half = HALF[precision]
+    sums = [n for n in graph.nodes if n.phase == "backward" and n.op_type in ("ReduceSum", "Sum")]
+    assert any(len(n.inputs) >= 3 for n in sums if n.op_type == "Sum")
+    for n in sums:
+        assert n.inputs[0].elem_type == TensorProto.FLOAT, n.name
+        assert n.op_type == "Sum" or all(r.op_type != "Cast" or r.attr("to") == half for r, _ in n.outputs[0].uses)
+    assert not [n.name for n in graph.nodes if n.op_type == "Cast" and n.inputs[0].elem_type == n.attr("to")]
+    summed = [n for n in sums if n.op_type == "ReduceSum" and n.inputs[0].shape == ("N", 256)]
+    assert summed and onnxgrad.build(scaled_activation(), precision=precision, loss_fn="mse").precision.widened_sums \
+        >= len(summed) + 1
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((64, 256)).astype(np.float32),
+             "target": rng.standard_normal((64, 256)).astype(np.float32)}
+    if precision == "fp16":
+        feeds["loss_scale"] = np.array(1.0, np.float32)
+    ref = gradients(scaled_activation(), "fp32", {k: v for k, v in feeds.items() if k != "loss_scale"},
+                    loss_fn="mse")
+    got = gradients(scaled_activation(), precision, feeds, loss_fn="mse")
+    errors = gradient_errors(ref, got)
+    assert errors["half__grad"] < GRAD_TOL[precision] / 3, errors
 
 
 # -- every rule case --------------------------------------------------------------------------------------------

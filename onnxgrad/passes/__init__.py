@@ -1,7 +1,7 @@
 """The passes of the build, one module per stage, and their order: `training_pipeline()`.
 
-    read -> infer -> [adopt] -> [heads] -> [lower] -> [precision] -> [gradient] -> [loss_scale] -> [mirror]
-         -> schedule -> [optimizer] -> [widen_bf16] -> validate
+    read -> infer -> [adopt] -> [heads] -> [lower] -> [precision] -> [gradient] -> [loss_scale] -> [half_sums]
+         -> [mirror] -> [recompute_casts] -> schedule -> [optimizer] -> [widen_bf16] -> validate
 
 The bracketed stages run when the build's options (or the input, for adopt) ask for them. `pipeline.run` runs
 the list; each pass records its typed result (`passes.results`)."""
@@ -27,7 +27,9 @@ def training_pipeline() -> list[Pass]:
         precision.Precision(),
         gradient.Gradient(),
         precision.LossScale(),
+        precision.HalfSums(),
         mirror.Mirror(),
+        precision.RecomputeCasts(),
         schedule.Schedule(),
         optimizer.AppendOptimizer(),
         precision.WidenBfloat16(),

@@ -12,6 +12,7 @@ scale (`optim.add_optimizer`, `scaler`)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
@@ -19,14 +20,17 @@ import onnx.defs
 from onnx import TensorProto, helper
 
 from ..builder import Builder, Names
-from ..contract import BACKWARD, FORWARD, GRAD_SUFFIX, LOSS_SCALE_INPUT, PRECISION_KEY
+from ..contract import BACKWARD, FORWARD, GRAD_SUFFIX, LOSS_SCALE_INPUT, PRECISION_KEY, RECOMPUTE
 from ..errors import UsageError
 from ..gradient import reaching_heads
 from ..ir import Graph, Node, Value, outer_references
+from ..memory import plan as plans
 from ..pipeline import Build, Pass
 from ..rules.subgraphs import as_graph
+from ..shapes import type_everything
+from .mirror import name_every_node
 from .results import PrecisionResult, WidenResult
-from ..precision import FLOAT32_OPS, HALF_OPS, HALF_TYPES, NOT_IN_BF16
+from ..precision import FLOAT32_OPS, HALF_OPS, HALF_RESULT_OPS, HALF_TYPES, NOT_IN_BF16, SUMS
 
 F32 = TensorProto.FLOAT
 TYPE_NAMES = {F32: "tensor(float)", TensorProto.FLOAT16: "tensor(float16)", TensorProto.BFLOAT16: "tensor(bfloat16)"}
@@ -68,6 +72,7 @@ def cast_to_precision(graph: Graph, names: Names, half: int, heads: list[Value])
         in_half += rewrite.node(node)
         order.extend(rewrite.emitted())
         order.append(node)
+        order.extend(rewrite.narrowed(node))
     for k, v in enumerate(graph.outputs):
         if v.elem_type == half and id(v) in rewrite.versions:
             f = rewrite.get(v, F32)
@@ -81,7 +86,10 @@ def cast_to_precision(graph: Graph, names: Names, half: int, heads: list[Value])
             heads[:] = [f if h is v else h for h in heads]
     order.extend(rewrite.emitted())
     graph.reorder(order)
-    return {"half_nodes": in_half, "casts": rewrite.casts}
+    # a half result whose readers all ran in float32 after all (they read the float32 result) is not needed
+    unread = [c.producer for c in rewrite.half_results if not c.uses and not any(c is o for o in graph.outputs)]
+    graph.remove(unread)
+    return {"half_nodes": in_half, "casts": rewrite.casts - len(unread)}
 
 
 class _Rewrite:
@@ -94,6 +102,7 @@ class _Rewrite:
         self.data: set[int] = set()
         self.casts = 0
         self._emitted: list[Node] = []
+        self.half_results: list[Value] = []  # the half copies of HALF_RESULT_OPS' results
         for v in graph.inputs:
             if not graph.is_initializer(v):
                 self.data.add(id(v))
@@ -123,6 +132,30 @@ class _Rewrite:
             self._emitted.extend(op.emitted)
             self.casts += 1
         return versions[elem_type]
+
+    def narrowed(self, node: Node) -> list[Node]:
+        """After a node of HALF_RESULT_OPS that `node` widened from half: a Cast of its result back to half, which
+        its forward readers read instead (those that run in float32 get the float32 result back through the
+        versions the two share, without a rounding)."""
+        y = node.outputs[0] if node.outputs else None
+        if (node.op_type not in HALF_RESULT_OPS or node.phase != FORWARD or y is None or y.elem_type != F32
+                or id(y) not in self.versions or y.name in self.pinned or not node.inputs
+                or not self._came_in_half(node.inputs[0])):
+            return []
+        readers = [(r, i) for r, i in y.uses if r.phase == FORWARD and i < len(r.inputs)]
+        if not readers or len(readers) != len(y.uses):
+            return []
+        h = self.get(y, self.half)
+        for r, i in readers:
+            r.set_input(i, h)
+        self.half_results.append(h)
+        return self.emitted()
+
+    def _came_in_half(self, x: Value | None) -> bool:
+        """`x` is the float32 Cast of a value computed in half."""
+        versions = self.versions.get(id(x)) if x is not None else None
+        return versions is not None and x is not versions.get(self.half) and \
+            next(iter(versions.values())).elem_type == self.half
 
     def node(self, node: Node) -> int:
         """Rewrite one node's inputs (and output types); 1 when it now runs in half."""
@@ -181,7 +214,9 @@ class _Rewrite:
         # (initializers, constants), float32 when it meets a float32 activation (as PyTorch promotes a sum)
         ins = [node.inputs[i] for i in castable]
         if not any(v.elem_type == self.half for v in ins):
-            return None
+            # an op with no half kernel in ONNX (Sin in bfloat16) reads its half inputs as float32
+            uncastable = [v for i, v in enumerate(node.inputs) if i not in castable and v is not None]
+            return F32 if any(v.elem_type == self.half and id(v) in self.versions for v in uncastable) else None
         if any(v.elem_type == F32 and id(v) in self.data for v in ins):
             return F32
         return self.half
@@ -278,6 +313,135 @@ class LossScale(Pass):
             graph.rename(unscaled, name)
             unscaled.elem_type, unscaled.shape = g.elem_type, g.shape
             graph.outputs[k] = unscaled
+
+
+class HalfSums(Pass):
+    """Accumulate the backward's sums of half gradients in float32."""
+
+    name = "half_sums"
+    requires = frozenset({"gradient", "precision"})
+
+    def wanted(self, build: Build) -> bool:
+        return not build.training_graph and build.options.precision_settings["precision"] != "fp32"
+
+    def run(self, build: Build) -> None:
+        type_everything(build.graph)  # a rule's builder leaves some values untyped
+        widened = sum_in_float32(build.graph, build.new_names())
+        build.record(replace(build.result(PrecisionResult), widened_sums=widened))
+
+
+def sum_in_float32(graph: Graph, names: Names) -> int:
+    """Give each backward reduction of a half gradient (SUMS: a broadcast's gradient, a scalar weight's, which
+    add up every element of an activation) and each Sum of three or more half gradient contributions float32
+    inputs, so that they accumulate in float32 rather than rounding at every addition (numpy does; a GPU's
+    reduction kernels need not either way, and then this only makes the graph say what they do). The result
+    stays float32 for the Casts to float32 that read it (a float32 parameter's gradient: those Casts go) and
+    is cast back to half for the other readers. A Sum of two half values is left alone: one addition rounds
+    once in half as it does after a float32 addition. Returns the number of nodes rewritten."""
+    order: list[Node] = []
+    dropped: dict[int, Node] = {}
+    outputs = {id(v) for v in graph.outputs}
+    widened = 0
+    for node in list(graph.nodes):
+        if id(node) in dropped:
+            continue
+        order.append(node)
+        y = node.outputs[0] if node.outputs else None
+        if (node.phase != BACKWARD or node.domain not in ("", "ai.onnx") or y is None or id(y) in outputs
+                or y.elem_type not in HALF_TYPES.values() or not (node.op_type in SUMS or node.op_type == "Sum")):
+            continue
+        half = y.elem_type
+        wide = {id(r): r for r, _ in y.uses if r.op_type == "Cast" and r.attr("to") == F32
+                and r.domain in ("", "ai.onnx")}
+        narrow = [(r, i) for r, i in y.uses if id(r) not in wide]
+        if node.op_type == "Sum" and len(node.inputs) < 3 and narrow:
+            continue
+        if any(i >= len(r.inputs) for r, i in narrow):  # read by name inside a subgraph: its type must stay
+            continue
+        order.pop()
+        op = Builder(graph, names, prefix=f"{node.name or node.op_type}/fp32", phase=BACKWARD)
+        for i, v in enumerate(node.inputs):
+            if v is not None and v.elem_type == half:
+                c = op.Cast(v, to=F32)
+                c.elem_type, c.shape = F32, v.shape
+                node.set_input(i, c)
+        order.extend(op.emitted)
+        order.append(node)
+        y.elem_type = F32
+        if narrow:
+            back = Builder(graph, names, prefix=f"{node.name or node.op_type}/{_short(half)}", phase=BACKWARD)
+            h = back.Cast(y, to=half)
+            h.elem_type, h.shape = half, y.shape
+            for r, i in narrow:
+                r.set_input(i, h)
+            order.extend(back.emitted)
+        for cast in wide.values():  # now a Cast of a float32 value to float32: its readers read the sum itself
+            out = cast.outputs[0]
+            if id(out) in outputs:
+                if id(y) in outputs:
+                    continue
+                # the sum takes the output's name and place
+                k = next(k for k, o in enumerate(graph.outputs) if o is out)
+                name = out.name
+                graph.rename(out, names.fresh(name + "/cast"))
+                graph.rename(y, name)
+                graph.outputs[k] = y
+                outputs = {id(v) for v in graph.outputs}
+            graph.replace_all_uses(out, y)
+            dropped[id(cast)] = cast
+        widened += 1
+    graph.remove(dropped.values())
+    graph.reorder([n for n in order if id(n) not in dropped])
+    return widened
+
+
+class RecomputeCasts(Pass):
+    """Recompute in the backward, from their inputs, the forward Casts whose results the backward reads, where
+    that makes the forward keep less: a widening Cast (half to float32) then keeps its half input, half the
+    bytes, and a Cast of a value the step keeps anyway (a weight, a fed input, a value the backward reads
+    itself) keeps nothing more. A mixed-precision graph has one such Cast per activation that a float32 op
+    reads (BatchNormalization after a half Conv): without this, the forward would keep each of them twice, as
+    the half value the next Conv's weight gradient reads and the float32 copy BatchNormalization's gradient
+    reads. The plan goes through `memory.plan.apply`, as the mirror's does: the copies run in the recompute
+    phase, placed before their first backward reader, and the schedule ties them to the gradient."""
+
+    name = "recompute_casts"
+    requires = frozenset({"gradient", "precision"})
+
+    def wanted(self, build: Build) -> bool:
+        return not build.training_graph and build.options.precision_settings["precision"] != "fp32"
+
+    def run(self, build: Build) -> None:
+        graph, names = build.graph, build.new_names()
+        reasons = casts_to_recompute(graph)
+        if reasons:
+            name_every_node(graph, names)
+            chosen = {n.name: reasons[id(n)] for n in graph.nodes if id(n) in reasons}
+            order = plans.recompute_before_first_use(graph, set(chosen))
+            plans.apply(graph, plans.Plan("precision casts", order, chosen), names)
+        build.record(replace(build.result(PrecisionResult), recomputed_casts=len(reasons)))
+
+
+def casts_to_recompute(graph: Graph) -> dict[int, str]:
+    """The forward Casts worth recomputing in the backward (id(node) -> why): read directly by a backward
+    node, and from an input smaller than the result or kept for the backward anyway."""
+    outputs = {id(v) for v in graph.outputs}
+    chosen: dict[int, str] = {}
+    for n in graph.nodes:
+        if n.op_type != "Cast" or n.domain not in ("", "ai.onnx") or n.phase != FORWARD or not n.inputs:
+            continue
+        x, y = n.inputs[0], n.outputs[0]
+        phases = [r.phase for r, _ in y.uses]
+        if (x is None or id(y) in outputs or BACKWARD not in phases or RECOMPUTE in phases
+                or any(i >= len(r.inputs) for r, i in y.uses if r.phase != FORWARD)):
+            continue
+        if x.elem_type in HALF_TYPES.values() and y.elem_type == F32:
+            chosen[id(n)] = "recomputed: a widening Cast keeps its half input instead of its float32 result"
+        elif x.producer is None:
+            chosen[id(n)] = "recomputed: its input is kept for the whole step"
+        elif any(r.phase == BACKWARD for r, _ in x.uses):
+            chosen[id(n)] = "recomputed: the backward keeps its input anyway"
+    return chosen
 
 
 def add_scalar_input(graph: Graph, name: str, initial: np.ndarray) -> Value:

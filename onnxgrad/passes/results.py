@@ -45,6 +45,8 @@ class PrecisionResult:
     loss_scale: dict | None
     half_nodes: int = 0
     casts: int = 0
+    widened_sums: int = 0        # backward sums of half gradients given float32 inputs (half_sums)
+    recomputed_casts: int = 0    # forward Casts recomputed in the backward (recompute_casts)
 
 
 @dataclass(frozen=True)
