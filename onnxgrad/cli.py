@@ -428,10 +428,11 @@ def _build_and_write(command, options, model, output, external_data, report):
         log.info("%s: %d forward nodes recomputed; simulated peak %s -> %s (saved for the backward %s -> %s)", out,
                  len(m.recomputed), _mib(m.unmirrored_peak_bytes), _mib(m.peak_bytes),
                  _mib(m.unmirrored_saved_bytes), _mib(m.saved_bytes))
-        segments = result.gradient.loop_segments
-        if segments:  # rewritten before the gradient, so the peaks above already include it
-            log.info("%s: loops run as segments, storing a carry per segment: %s", out,
-                     ", ".join(f"{name} in segments of {k}" for name, k in segments.items()))
+        schemes = result.gradient.loop_schemes
+        if schemes:  # rewritten before the gradient, so the peaks above already include it
+            log.info("%s: loops: %s", out, "; ".join(
+                f"{name} {s.describe()} (about {s.carries} carries alive, {s.extra_passes} extra forward "
+                f"pass{'' if s.extra_passes == 1 else 'es'} of the loop)" for name, s in schemes.items()))
         b = m.budget
         if b is not None:
             log.info("%s: budget %s (%s), floor %s; %.2f extra forward passes of recomputation (%s solver%s)",
