@@ -123,18 +123,27 @@ def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
 
 def next_schemes(current: dict[str, LoopScheme]) -> dict[str, LoopScheme] | None:
     """The loops' schemes with one loop a level further: the one holding the most carries alive among those
-    with a further level (ties: by name); None when every loop is at its last level."""
+    with a further level (ties: the one with fewer levels, then by name); None when every loop is at its last
+    level."""
     further = {name: schemes(s.trips) for name, s in current.items()}
     further = {name: levels[len(current[name].lengths) + 1] for name, levels in further.items()
                if len(levels) > len(current[name].lengths) + 1}
     if not further:
         return None
-    name = min(further, key=lambda n: (-current[n].carries, n))
+    name = min(further, key=lambda n: (-current[n].carries, len(current[n].lengths), n))
     return {**current, name: further[name]}
 
 
 def apply(graph: Graph, name: str, scheme: LoopScheme, names: Names) -> None:
-    """Rewrite loop `name` by its scheme: segment it by the innermost length, then the outer loop by the next."""
+    """Rewrite loop `name` by its scheme: segment it by the innermost length, then the outer loop by the next.
+    Unsegmented, a Loop's scan outputs get the trip count as their length where it was unknown, as segmenting
+    gives them, so the budget can size them."""
+    if not scheme.lengths:
+        node = next(n for n in graph.nodes if n.name == name and n.op_type in ("Loop", "Scan"))
+        if node.op_type == "Loop":
+            for v in node.outputs[len(node.inputs) - 2:]:
+                if v.shape is not None and (v.shape[0] is None or isinstance(v.shape[0], str)):
+                    v.shape = (scheme.trips, *v.shape[1:])
     for k in scheme.lengths:
         node = next(n for n in graph.nodes if n.name == name and n.op_type in ("Loop", "Scan"))
         (segment if node.op_type == "Loop" else segment_scan)(graph, node, k, names)
