@@ -300,7 +300,9 @@ def build_grad(mirror, **flags):
               help="The peak memory of one run to fit: bytes (16GiB, 1500MB, 2e9), a fraction of the unmirrored "
                    "peak (0.4x), or auto (the least peak at most one extra forward pass of recomputation "
                    "buys). The peak counts weights, inputs, gradients, saved activations and temporaries. A "
-                   "budget below the least peak any schedule reaches is an error that prints that floor.")
+                   "budget below the least peak any schedule reaches is an error that prints that floor. Loops "
+                   "with a fixed trip count run as they are if that fits, else as sqrt(T) segments, else as nested "
+                   "levels of segments (one more forward pass of the loop per level); auto keeps sqrt(T).")
 @click.option("--solver", "solver_name", type=_Kinds(".memory.solvers", "SOLVERS"),
               help="With --budget: fast (the default: a front of block-DP plans, segment schemes and a local "
                    "search; seconds on 10k-node graphs), dp (the block DP alone), exact (CP-SAT from the fast "
