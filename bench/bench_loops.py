@@ -1,7 +1,8 @@
-"""Gradients through Scan and Loop: the node suite's figure, the PyTorch comparisons, and peak memory against
-the trip count.
+"""Gradients through Scan and Loop: the node suite's figure, the PyTorch comparisons, peak memory against
+the trip count, and the loop schemes a budget chooses.
 
-    .venv/bin/python bench/bench_loops.py
+    .venv/bin/python bench/bench_loops.py            # all four
+    .venv/bin/python bench/bench_loops.py --budgets  # the budget sweep alone
 
 1. The ONNX backend node suite's models holding a Scan or a Loop, run as gradient tests (the checks of
    tests/test_node_suite_loops.py): how many pass, and why the others are not gradient tests.
@@ -9,11 +10,16 @@ the trip count.
    error over the gradients.
 3. A linear recurrence h = a * h + b * x_t (carry 128 x 1024 float32, 512 KiB) over 64 and 256 steps: the peak
    one run adds, simulated and measured (a fresh process, arena off), plain and mirrored (√T segments).
+4. The same recurrence over 256 steps under `mirror --budget` from generous to tight: the scheme the budget
+   chooses for the loop (unsegmented, one level, nested levels), its carries alive and extra forward passes of the
+   loop, the whole run's peak simulated and measured (static bytes plus the peak a run adds), measured / budget,
+   and the build's CPU seconds (the retries over schemes included).
 """
 from __future__ import annotations
 
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -81,10 +87,43 @@ def peak_against_steps(folder: Path) -> None:
         print(" | ".join(row))
 
 
+def budget_sweep(folder: Path) -> None:
+    import test_torch_loops as t
+    from onnxgrad.memory.budget import BudgetError
+    torch.manual_seed(1)
+    model = t.export(t.LinearRecurrence(1024), (torch.randn(256, 128, 1024), torch.zeros(128, 1024)), ["x", "h0"],
+                     folder / "linear.onnx")
+    print("budget | scheme (segments, outermost first) | carries alive | extra loop passes | simulated peak MiB | "
+          "measured peak MiB | measured / budget | build CPU s")
+    for budget in ("400MiB", "200MiB", "155MiB", "150MiB", "146MiB", "143MiB", "140MiB"):
+        started = time.process_time()
+        try:
+            result = onnxgrad.build(model, requires_grad=["decay", "b", "c"], mirror="budget",
+                                    mirror_options={"budget": budget})
+        except BudgetError as e:
+            print(f"{budget} | none fits: floor {e.report.floor_bytes / 2**20:.1f} MiB | | | | | | "
+                  f"{time.process_time() - started:.1f}")
+            continue
+        seconds = time.process_time() - started
+        scheme = result.report["loop_schemes"]["/Loop"]
+        path = folder / "budget.onnx"
+        onnx.save(result.model, str(path))
+        timeline = simulate(load(str(path)))
+        measured = timeline.static + measure(str(path))["peak_bytes"]
+        limit = result.mirror.budget.budget_bytes
+        print(f"{budget} | {' x '.join(map(str, scheme['segments']))} | {scheme['carries']} | "
+              f"{scheme['extra_passes']} | {timeline.peak / 2**20:.1f} | {measured / 2**20:.1f} | "
+              f"{measured / limit:.3f} | {seconds:.1f}")
+
+
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
+        if sys.argv[1:] == ["--budgets"]:
+            budget_sweep(Path(tmp))
+            sys.exit(0)
         node_suite()
         torch_comparisons(Path(tmp))
         peak_against_steps(Path(tmp))
+        budget_sweep(Path(tmp))

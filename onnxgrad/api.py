@@ -81,6 +81,8 @@ class BuildResult:
             report["mirror"] = {**plan.record(), "reasons": plan.reasons, **self.mirror.timings}
         if self.gradient.loop_segments is not None:
             report["loop_segments"] = self.gradient.loop_segments
+        if self.gradient.loop_schemes:
+            report["loop_schemes"] = {name: s.record() for name, s in self.gradient.loop_schemes.items()}
         if self.precision is not None or self.widened is not None:
             report["precision"] = {}
             if self.precision is not None:
@@ -136,7 +138,10 @@ def _build(model, options: Options, weights_apart: bool) -> BuildResult:
         raise UsageError(f"nothing to differentiate: no floating-point initializer reaches the loss "
                          f"{build.heads[0].name!r} through differentiable ops (all frozen, or none); name graph "
                          f"inputs with --requires-grad")
-    pipeline.run(build, passes[cut:])
+    try:
+        pipeline.run(build, passes[cut:])
+    except UsageError as e:
+        build = _retry_loop_schemes(model, options, build, e)
     result = BuildResult(
         build.proto, options, read=build.result(results.ReadResult), loss=build.result(results.LossResult),
         gradient=build.result(results.GradientResult), written=build.result(results.ValidateResult),
@@ -148,6 +153,38 @@ def _build(model, options: Options, weights_apart: bool) -> BuildResult:
     else:
         weights.join(result.model, build.graph.initializers)
     return result
+
+
+def _retry_loop_schemes(model, options: Options, build, error: UsageError):
+    """`mirror --budget` on a graph whose loops can run as segments: the gradient pass left them unsegmented (the
+    least recomputation) and the budget did not fit, so the build is run again from the model with one loop a
+    level of segments further each time (segments.next_schemes: √T segments, then nested levels, one more forward
+    pass of the loop per level), until the budget policy's plan fits. The fraction of a "0.4x" budget stays that of
+    the unsegmented graph's peak. No loop to segment, or no level left: the last error, naming the schemes tried."""
+    import dataclasses
+
+    from . import pipeline
+    from .memory.budget import BudgetError, MirrorOptions
+    from .passes import results, training_pipeline
+    from .segments import next_schemes
+
+    schemes = build.result(results.GradientResult).loop_schemes
+    mirror_options = MirrorOptions.of(options.mirror_options)
+    if not isinstance(error, BudgetError) or not schemes or mirror_options.loops is not None:
+        raise error
+    reference = error.report.unmirrored_peak_bytes
+    tried = [schemes]
+    while (schemes := next_schemes(schemes)) is not None:
+        tried.append(schemes)
+        retry = dataclasses.replace(mirror_options, fraction_of=reference,
+                                    loops={name: s.lengths for name, s in schemes.items()})
+        try:
+            return pipeline.run(pipeline.Build(model, Options.of(options, mirror_options=retry)), training_pipeline())
+        except BudgetError as e:
+            error = e
+    names = sorted(tried[0])
+    ways = "; ".join(", ".join(f"{name} {t[name].describe()}" for name in names) for t in tried)
+    raise BudgetError(f"{error} (loops tried: {ways})", error.report) from None
 
 
 def check_options(options: Options) -> None:

@@ -300,7 +300,9 @@ def build_grad(mirror, **flags):
               help="The peak memory of one run to fit: bytes (16GiB, 1500MB, 2e9), a fraction of the unmirrored "
                    "peak (0.4x), or auto (the least peak at most one extra forward pass of recomputation "
                    "buys). The peak counts weights, inputs, gradients, saved activations and temporaries. A "
-                   "budget below the least peak any schedule reaches is an error that prints that floor.")
+                   "budget below the least peak any schedule reaches is an error that prints that floor. Loops "
+                   "with a fixed trip count run as they are if that fits, else as sqrt(T) segments, else as nested "
+                   "levels of segments (one more forward pass of the loop per level); auto keeps sqrt(T).")
 @click.option("--solver", "solver_name", type=_Kinds(".memory.solvers", "SOLVERS"),
               help="With --budget: fast (the default: a front of block-DP plans, segment schemes and a local "
                    "search; seconds on 10k-node graphs), dp (the block DP alone), exact (CP-SAT from the fast "
@@ -428,10 +430,11 @@ def _build_and_write(command, options, model, output, external_data, report):
         log.info("%s: %d forward nodes recomputed; simulated peak %s -> %s (saved for the backward %s -> %s)", out,
                  len(m.recomputed), _mib(m.unmirrored_peak_bytes), _mib(m.peak_bytes),
                  _mib(m.unmirrored_saved_bytes), _mib(m.saved_bytes))
-        segments = result.gradient.loop_segments
-        if segments:  # rewritten before the gradient, so the peaks above already include it
-            log.info("%s: loops run as segments, storing a carry per segment: %s", out,
-                     ", ".join(f"{name} in segments of {k}" for name, k in segments.items()))
+        schemes = result.gradient.loop_schemes
+        if schemes:  # rewritten before the gradient, so the peaks above already include it
+            log.info("%s: loops: %s", out, "; ".join(
+                f"{name} {s.describe()} (about {s.carries} carries alive, {s.extra_passes} extra forward "
+                f"pass{'' if s.extra_passes == 1 else 'es'} of the loop)" for name, s in schemes.items()))
         b = m.budget
         if b is not None:
             log.info("%s: budget %s (%s), floor %s; %.2f extra forward passes of recomputation (%s solver%s)",

@@ -6,14 +6,22 @@ starts from, and the backward of each segment recomputes the segment's inner loo
 for the time that segment's backward runs: T/k + k carries alive instead of T, about 2√T at k = √T, for one
 more forward pass of the loop. No gradient code is involved: both loops are differentiated by their rules.
 
-`plan` decides (which loops, which k); `segment` rewrites one Loop, `segment_scan` one Scan. Only Loops with a
-constant trip count that nothing ends early, and Scans whose scanned tensors have static shapes, are segmented,
-and k divides T, so every segment has the same length (a loop's scan outputs must have one shape across
-iterations); a T with no divisor near √T (a prime) is left as it is.
+Segmenting the outer loop again nests the levels: T = s * k2 * k1 runs as s segments, each a loop of k2
+segments of k1 iterations. The forward stores s carries, the backward of a segment recomputes its k2, and the
+backward of each of those its k1: about s + k2 + k1 carries alive, for one more forward pass of the loop per
+level, the trade revolve makes between slots and passes within what nested equal segments can express.
+
+`plan` decides (which loops, which k, √T by default); `schemes` lists a loop's schemes from the least
+recomputation up (unsegmented, one level, two, ...), `next_schemes` steps a set of loops one level further (the
+budget's retry, api.py), and `apply` rewrites one loop by its scheme, with `segment` (a Loop) or `segment_scan`
+(a Scan) per level. Only Loops with a constant trip count that nothing ends early, and Scans whose scanned
+tensors have static shapes, are segmented, and k divides T, so every segment has the same length (a loop's scan
+outputs must have one shape across iterations); a T with no divisor near √T (a prime) is left as it is.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -23,8 +31,47 @@ from .builder import Names
 from .ir import Graph, Node, Value, attach_implicit_inputs, constant_value, known_value
 
 
+@dataclass(frozen=True)
+class LoopScheme:
+    """How one loop of `trips` iterations is checkpointed: `lengths`, the segment lengths innermost first (() the
+    loop as it is, (k,) T/k segments of k, (k1, k2) T/(k1 k2) segments of k2 segments of k1)."""
+
+    trips: int
+    lengths: tuple[int, ...] = ()
+
+    @property
+    def segments(self) -> int:
+        """The outermost loop's iterations: the carries the forward stores."""
+        return self.trips // math.prod(self.lengths)
+
+    @property
+    def carries(self) -> int:
+        """Carries alive at most, in the count the docstring above gives: the stored ones and one level's each."""
+        return self.segments + sum(self.lengths)
+
+    @property
+    def extra_passes(self) -> int:
+        """Forward passes of the loop beyond the one an unsegmented loop's gradient runs: one per level."""
+        return len(self.lengths)
+
+    def describe(self) -> str:
+        if not self.lengths:
+            return f"{self.trips} iterations unsegmented"
+        inner = " segments of ".join(str(k) for k in reversed(self.lengths))
+        return f"{self.trips} iterations as {self.segments} segments of {inner}"
+
+    def record(self) -> dict:
+        return {"trips": self.trips, "segments": [self.segments, *reversed(self.lengths)], "carries": self.carries,
+                "extra_passes": self.extra_passes}
+
+
 def plan(graph: Graph, on_path: set[int]) -> dict[str, int]:
-    """{Loop or Scan node name: k} for the loops on the gradient's path worth segmenting."""
+    """{Loop or Scan node name: k} for the loops on the gradient's path worth segmenting (k near √T)."""
+    return {name: _segment_length(trips) for name, trips in segmentable(graph, on_path).items()}
+
+
+def segmentable(graph: Graph, on_path: set[int]) -> dict[str, int]:
+    """{Loop or Scan node name: trip count} for the loops on the gradient's path that can run as segments."""
     chosen = {}
     for node in graph.nodes:
         if node.op_type not in ("Loop", "Scan") or node.domain or not node.name or \
@@ -32,17 +79,74 @@ def plan(graph: Graph, on_path: set[int]) -> dict[str, int]:
             continue
         if node.op_type == "Scan":
             trips = scan_length(node)
-            k = _segment_length(trips) if trips else None
-            if k is not None:
-                chosen[node.name] = k
+            if trips and _segment_length(trips) is not None:
+                chosen[node.name] = trips
             continue
         trips = runs_to_trip_count(graph, node)
         k = _segment_length(trips) if trips else None
         dynamic = any(v.shape is None or not all(isinstance(d, int) for d in v.shape[1:])
                       for v in node.outputs[len(node.inputs) - 2:])
         if k is not None and not (dynamic and graph.opset < 15):
-            chosen[node.name] = k
+            chosen[node.name] = trips
     return chosen
+
+
+def schemes(trips: int) -> list[LoopScheme]:
+    """The schemes of a loop from the least recomputation up: unsegmented, √T segments, then for each further
+    level the factorisation into equal segments with the fewest carries alive (ties: the fewest stored for the
+    whole backward), while a level lowers that count. The other divisors of a level cost the same passes and keep
+    more carries alive, so they are not listed."""
+    out = [LoopScheme(trips)]
+    k = _segment_length(trips)
+    if k is None:
+        return out
+    out.append(LoopScheme(trips, (k,)))
+    levels = 2
+    while True:
+        factors = _factorisations(trips, levels + 1)
+        if not factors:
+            return out
+        best = min((LoopScheme(trips, tuple(f[1:])) for f in factors),
+                   key=lambda s: (s.carries, s.segments, s.lengths))
+        if best.carries >= out[-1].carries:
+            return out
+        out.append(best)
+        levels += 1
+
+
+def _factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
+    """Every way to write n as a product of `parts` factors of at least 2, in order (outermost first)."""
+    if parts == 1:
+        return [(n,)] if n >= 2 else []
+    return [(d, *rest) for d in range(2, n + 1) if n % d == 0 for rest in _factorisations(n // d, parts - 1)]
+
+
+def next_schemes(current: dict[str, LoopScheme]) -> dict[str, LoopScheme] | None:
+    """The loops' schemes with one loop a level further: the one holding the most carries alive among those
+    with a further level (ties: the one with fewer levels, then by name); None when every loop is at its last
+    level."""
+    further = {name: schemes(s.trips) for name, s in current.items()}
+    further = {name: levels[len(current[name].lengths) + 1] for name, levels in further.items()
+               if len(levels) > len(current[name].lengths) + 1}
+    if not further:
+        return None
+    name = min(further, key=lambda n: (-current[n].carries, len(current[n].lengths), n))
+    return {**current, name: further[name]}
+
+
+def apply(graph: Graph, name: str, scheme: LoopScheme, names: Names) -> None:
+    """Rewrite loop `name` by its scheme: segment it by the innermost length, then the outer loop by the next.
+    Unsegmented, a Loop's scan outputs get the trip count as their length where it was unknown, as segmenting
+    gives them, so the budget can size them."""
+    if not scheme.lengths:
+        node = next(n for n in graph.nodes if n.name == name and n.op_type in ("Loop", "Scan"))
+        if node.op_type == "Loop":
+            for v in node.outputs[len(node.inputs) - 2:]:
+                if v.shape is not None and (v.shape[0] is None or isinstance(v.shape[0], str)):
+                    v.shape = (scheme.trips, *v.shape[1:])
+    for k in scheme.lengths:
+        node = next(n for n in graph.nodes if n.name == name and n.op_type in ("Loop", "Scan"))
+        (segment if node.op_type == "Loop" else segment_scan)(graph, node, k, names)
 
 
 def _segment_length(trips: int) -> int | None:

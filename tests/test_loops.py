@@ -368,6 +368,69 @@ def test_mirrored_scan_runs_as_segments_with_the_same_gradients(form):
         np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def test_loop_schemes_from_the_least_recomputation_up():
+    """Unsegmented, √T segments, then each level the equal segments with the fewest carries alive, while a level
+    lowers that count; the retry steps the loop holding the most carries first (ties: the one with fewer levels)."""
+    from onnxgrad.segments import LoopScheme, next_schemes, schemes
+    assert [(s.lengths, s.segments, s.carries, s.extra_passes) for s in schemes(256)] == [
+        ((), 256, 256, 0), ((16,), 16, 32, 1), ((8, 8), 4, 20, 2), ((4, 4, 4), 4, 16, 3)]
+    assert [s.lengths for s in schemes(64)] == [(), (8,), (4, 4)]
+    assert [s.lengths for s in schemes(7)] == [()] and [s.lengths for s in schemes(12)] == [(), (3,)]
+    assert schemes(256)[2].describe() == "256 iterations as 4 segments of 8 segments of 8"
+    assert schemes(256)[2].record() == {"trips": 256, "segments": [4, 8, 8], "carries": 20, "extra_passes": 2}
+    steps = [{"a": LoopScheme(64), "b": LoopScheme(16)}]
+    while (step := next_schemes(steps[-1])) is not None:
+        steps.append(step)
+    assert [(s["a"].lengths, s["b"].lengths) for s in steps] == [((), ()), ((8,), ()), ((8,), (4,)),
+                                                                 ((4, 4), (4,))]
+
+
+@pytest.mark.parametrize("kind", ["Loop", "Scan"])
+def test_two_levels_of_segments_give_the_same_outputs(kind):
+    """A 16-step Loop (with a scan output) and Scan (every form of output) run as 4 segments of 2 of 2: the stored
+    carries are one per outer segment, and every output equals the plain graph's."""
+    if kind == "Loop":
+        fwd, wrt, also, name = _make(loop_graph("const", S=16), np.float32, 13), ["x", "h0", "w"], ["ys"], "rec"
+        feeds = loop_feeds(S=16)
+    else:
+        fwd, wrt, also, name = (_make(scan_graph(S=16), np.float32, 18), ["x", "z", "a0", "b0", "w", "v"], ["y1s"],
+                                "sweep")
+        feeds = scan_feeds(S=16)
+    plain = onnxgrad.build(fwd, requires_grad=wrt, also_grad=also)
+    nested = onnxgrad.build(fwd, requires_grad=wrt, also_grad=also, mirror="budget",
+                            mirror_options={"budget": "1e12", "loops": {name: [2, 2]}})
+    assert nested.report["loop_schemes"][name]["segments"] == [4, 2, 2]
+    assert not _untyped_in_bodies(nested.model.graph)
+    feeds = {k: np.asarray(v, np.float32) for k, v in feeds.items()}
+    a = runtime.session(plain.model).run(None, feeds)
+    b = runtime.session(nested.model).run(None, feeds)
+    for out, x, y in zip([o.name for o in plain.model.graph.output], a, b):
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=out)
+
+
+def test_budget_loop_scheme_on_the_command_line(tmp_path):
+    """`mirror --budget` logs and reports the scheme each loop got; plain `mirror` keeps √T segments."""
+    import json
+    path, out, report = tmp_path / "loop.onnx", tmp_path / "train.onnx", tmp_path / "report.json"
+    onnx.save(_make(loop_graph("const", S=64), np.float32, 13), str(path))
+
+    def cli(*args):
+        proc = subprocess.run([sys.executable, "-m", "onnxgrad", "mirror", str(path), "-o", str(out),
+                               "--requires-grad", "x,h0,w", "--report", str(report), *args],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr, json.loads(report.read_text())
+
+    err, r = cli("--budget", "1.0x")
+    assert "loops: rec 64 iterations unsegmented (about 64 carries alive, 0 extra forward passes of the loop)" in err
+    assert r["loop_schemes"] == {"rec": {"trips": 64, "segments": [64], "carries": 64, "extra_passes": 0}}
+    assert r["loop_segments"] == {}
+    err, r = cli()
+    assert "loops: rec 64 iterations as 8 segments of 8 (about 16 carries alive, 1 extra forward pass of the " \
+           "loop)" in err
+    assert r["loop_segments"] == {"rec": 8} and r["loop_schemes"]["rec"]["segments"] == [8, 8]
+
+
 @pytest.mark.parametrize("stored, peak_carries", [(None, 4), ("h_in", 17), ("h_out", 19)])
 def test_simulated_loop_holds_what_onnxruntime_holds(stored, peak_carries):
     """An 8-step Loop over an 8 MiB carry (h_out = h_in * a + x[i] * a) with nothing, Identity(h_in) or

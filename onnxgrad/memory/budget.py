@@ -39,7 +39,11 @@ class MirrorOptions:
     """What the mirror pass is asked, parsed once. `budget`: bytes, a fraction of the unmirrored peak ("0.4x"),
     "auto", or None (MXNet's policy); `solver`: fast (default), dp, exact (CP-SAT from the fast plan) or milp
     (HiGHS); `cost`: model, prices or profile; `time_limit`: seconds for the exact solvers; `work`: the fast solver's
-    effort, in schedule steps (a count, so the plan is the same on every machine)."""
+    effort, in schedule steps (a count, so the plan is the same on every machine). `loops`: Loop or Scan node name
+    -> its segment lengths, innermost first (segments.LoopScheme; a loop not named runs unsegmented), which the
+    budget's retry over loop schemes gives (api.py); None: the gradient pass chooses. `fraction_of`: the peak a
+    fractional budget ("0.4x") is a fraction of, when the graph the policy sees has loops segmented that the
+    unmirrored graph runs as they are; None: that graph's own unmirrored peak."""
 
     budget: str | None = None
     solver: str = "fast"
@@ -50,12 +54,19 @@ class MirrorOptions:
     save: frozenset[str] = frozenset()
     recompute: frozenset[str] = frozenset()
     sweep: str | None = None
+    loops: dict[str, tuple[int, ...]] | None = None
+    fraction_of: int | None = None
 
     def __post_init__(self) -> None:
         if self.solver not in SOLVERS:
             raise UsageError(f"--solver {self.solver}: expected one of {', '.join(SOLVERS)}")
         if self.cost not in COSTS:
             raise UsageError(f"--cost {self.cost}: expected model, prices or profile")
+
+    @classmethod
+    def of(cls, options: MirrorOptions | dict) -> MirrorOptions:
+        """The options as given: a MirrorOptions, or its fields as a dict."""
+        return options if isinstance(options, MirrorOptions) else cls.from_dict(options)
 
     @classmethod
     def from_dict(cls, options: dict) -> MirrorOptions:
@@ -68,6 +79,8 @@ class MirrorOptions:
         for key in ("save", "recompute"):
             if key in values:
                 values[key] = frozenset(values[key])
+        if "loops" in values:
+            values["loops"] = {name: tuple(int(k) for k in lengths) for name, lengths in values["loops"].items()}
         if "time_limit" in values:
             values["time_limit"] = float(values["time_limit"])
         return cls(**values)
@@ -275,7 +288,7 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     started = time.perf_counter()
     problem = bp.problem
     least = solvers.floor(problem)
-    wanted = budget.resolve(unmirrored_peak)
+    wanted = budget.resolve(options.fraction_of or unmirrored_peak)
     units = COST_UNITS[options.cost]
 
     def report(solution: solvers.Solution | None, peak: int | None, found: int | None) -> BudgetReport:

@@ -11,6 +11,7 @@ from ..contract import BACKWARD, GRAD_SUFFIX
 from ..errors import UnsupportedError, UsageError
 from ..gradient import differentiate, reaching_heads
 from ..ir import Graph, Node, Value, names_defined_in
+from ..memory.budget import MirrorOptions, parse_budget
 from ..pipeline import Build, Pass
 from .results import GradientResult
 
@@ -31,9 +32,10 @@ class Gradient(Pass):
                 for name in names_defined_in(sub):
                     names.reserve(name)
         bound_loops(graph, o.loop_bounds, names)
-        loop_segments = None
+        loop_segments = loop_schemes = None
         if o.mirror is not None:  # recomputation asked for: loops store a carry per segment, not per iteration
-            loop_segments = segment_loops(graph, build.reaches_loss, names)
+            loop_schemes = segment_loops(graph, build.reaches_loss, names, o.mirror, MirrorOptions.of(o.mirror_options))
+            loop_segments = {name: s.lengths[0] for name, s in loop_schemes.items() if s.lengths}
             if loop_segments:
                 build.reaches_loss = reaching_heads(graph, heads)
         xs = select_parameters(graph, heads, build.reaches_loss, o.requires_grad, o.frozen)
@@ -59,7 +61,7 @@ class Gradient(Pass):
         graph.inputs.extend(x for x in xs if graph.is_initializer(x) and id(x) not in inputs)
         build.parameters, build.also = xs, us
         build.record(GradientResult(tuple(x.name for x in xs), tuple(u.name for u in us),
-                                    dict(sorted(result.rules_used.items())), loop_segments))
+                                    dict(sorted(result.rules_used.items())), loop_segments, loop_schemes))
 
 
 def select_parameters(graph: Graph, heads: list[Value], reaches_loss: set[int], requires_grad,
@@ -172,12 +174,20 @@ def bound_loops(graph: Graph, bounds: dict[str, int], names: Names) -> None:
         node.set_input(0, limit)
 
 
-def segment_loops(graph: Graph, reaches_loss: set[int], names: Names) -> dict[str, int]:
-    """Rewrite the loops on the gradient's path into loops over segments of about √T iterations (segments.py)."""
-    chosen = segments.plan(graph, reaches_loss)
-    for name, k in chosen.items():
-        node = next(n for n in graph.nodes if n.name == name and n.op_type in ("Loop", "Scan"))
-        (segments.segment if node.op_type == "Loop" else segments.segment_scan)(graph, node, k, names)
+def segment_loops(graph: Graph, reaches_loss: set[int], names: Names, policy: str,
+                  options: MirrorOptions) -> dict[str, segments.LoopScheme]:
+    """Rewrite the loops on the gradient's path into loops over segments (segments.py), and say how each runs:
+    by the schemes the options give (the budget's retry, api.py); with a budget in bytes, unsegmented first (the
+    least recomputation, which the retry steps up from); otherwise √T segments."""
+    trips = segments.segmentable(graph, reaches_loss)
+    if options.loops is not None:
+        chosen = {name: segments.LoopScheme(t, tuple(options.loops.get(name, ()))) for name, t in trips.items()}
+    elif policy == "budget" and not parse_budget(options.budget or "auto").auto:
+        chosen = {name: segments.LoopScheme(t) for name, t in trips.items()}
+    else:
+        chosen = {name: segments.schemes(t)[1] for name, t in trips.items()}
+    for name, scheme in chosen.items():
+        segments.apply(graph, name, scheme, names)
     return chosen
 
 

@@ -41,8 +41,7 @@ class Mirror(Pass):
                              "build-grad wrote without --mirror, or the forward model")
         if o.mirror not in POLICIES:
             raise UsageError(f"--policy {o.mirror}: expected one of {', '.join(POLICIES)}")
-        options = o.mirror_options if isinstance(o.mirror_options, MirrorOptions) else \
-            MirrorOptions.from_dict(o.mirror_options)
+        options = MirrorOptions.of(o.mirror_options)
         type_everything(graph)
         name_every_node(graph, build.new_names())
         nbytes = sizes(graph, o.dims)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ..memory.budget import BudgetReport
 from ..memory.plan import Plan
+from ..segments import LoopScheme
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,9 @@ class GradientResult:
     parameters: tuple[str, ...]
     also_grad: tuple[str, ...] = ()
     rules_used: dict[str, int] = field(default_factory=dict)   # op type -> nodes differentiated by its rule
-    loop_segments: dict[str, int] | None = None                # with recomputation asked: Loop -> segment length
+    loop_segments: dict[str, int] | None = None                # with recomputation asked: Loop -> (innermost) segment length
+    # with recomputation asked: Loop or Scan -> how it is checkpointed (unsegmented, or its levels of segments)
+    loop_schemes: dict[str, LoopScheme] | None = None
 
 
 @dataclass(frozen=True)
