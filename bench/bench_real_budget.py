@@ -1,10 +1,12 @@
 """`mirror --budget` on models exported fresh from PyTorch: does onnxruntime's real peak keep to the budget?
 
     .venv/bin/python bench/bench_real_budget.py [--models resnet50,gpt2,bert,vit] [--budgets 0.9x,0.7x,0.5x,0.4x,least]
-        [--allocators exact,arena,glibc] [--train] [--batch-scale 1.0] [--threads 2] [--out DIR]
+        [--allocators exact,arena,glibc] [--train] [--batch-scale 1.0] [--threads 2] [--exporter torchscript|dynamo]
+        [--out DIR]
 
 Each model is built from a transformers config with random weights (nothing is downloaded) and exported by
-torch.onnx's TorchScript exporter at opset 17, in its own process:
+torch.onnx's TorchScript exporter at opset 17 (`--exporter dynamo`: its dynamo exporter at opset 18, optimized),
+in its own process:
   resnet50  ResNetConfig (bottleneck 3-4-6-3, 100 classes), batch 8 x 3 x 224 x 224, training-mode
             BatchNormalization, cross-entropy inside the model
   gpt2      GPT-2 small (12 x 768), batch 4 x 256 tokens, its LM loss
@@ -44,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 EXPORT = r"""
 import sys, warnings, torch, torch.nn.functional as F
 warnings.simplefilter("ignore")
-name, batch, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+name, batch, out, exporter = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 torch.manual_seed(0)
 train_mode = False
 if name == "resnet50":
@@ -87,9 +89,13 @@ class Model(torch.nn.Module):
         return loss(*inputs)
 
 model = Model().train(train_mode)
-extra = dict(training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False) if train_mode else {}
-torch.onnx.export(model, args, out, input_names=names, output_names=["loss"], opset_version=17, dynamo=False,
-                  **extra)
+if exporter == "dynamo":  # torch.export's graph, as it traces the module in its mode (train for ResNet-50)
+    torch.onnx.export(model, args, out, input_names=names, output_names=["loss"], opset_version=18, dynamo=True,
+                      optimize=True, external_data=False)
+else:
+    extra = dict(training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False) if train_mode else {}
+    torch.onnx.export(model, args, out, input_names=names, output_names=["loss"], opset_version=17, dynamo=False,
+                      **extra)
 """
 
 BATCH = {"resnet50": 8, "gpt2": 4, "bert": 8, "vit": 4}
@@ -170,6 +176,8 @@ def main() -> None:
     ap.add_argument("--train", action="store_true")
     ap.add_argument("--batch-scale", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
+                    help="torch.onnx's TorchScript exporter (opset 17) or its dynamo exporter (opset 18)")
     ap.add_argument("--out", default=None, help="keep the models here (default: a temporary folder)")
     args = ap.parse_args()
 
@@ -187,9 +195,10 @@ def main() -> None:
     print("|" + "---|" * (header.count("|") - 1))
     for name in args.models.split(","):
         batch = max(1, round(BATCH[name] * args.batch_scale))
-        fwd, train = work / f"{name}_b{batch}.onnx", work / f"{name}_b{batch}_train.onnx"
+        tag = f"{name}_b{batch}" + ("_dynamo" if args.exporter == "dynamo" else "")
+        fwd, train = work / f"{tag}.onnx", work / f"{tag}_train.onnx"
         if not fwd.exists():
-            p = run([sys.executable, "-c", EXPORT, name, str(batch), str(fwd)])
+            p = run([sys.executable, "-c", EXPORT, name, str(batch), str(fwd), args.exporter])
             if p.returncode:
                 print(f"| {name} | export failed: {p.stderr.strip().splitlines()[-1:]} |")
                 continue
@@ -197,7 +206,7 @@ def main() -> None:
             run(onnxgrad("build-grad", str(fwd), "-o", str(train)), check=True)
         graphs = [("plain", train, None, 0.0)]
         for budget in args.budgets.split(","):
-            out, report = work / f"{name}_b{batch}_{budget}.onnx", work / f"{name}_b{batch}_{budget}.json"
+            out, report = work / f"{tag}_{budget}.onnx", work / f"{tag}_{budget}.json"
             if budget == "least":
                 value, seconds = least_budget(train, out, report)
                 if value is None:
@@ -237,16 +246,16 @@ def train_rise(fwd: Path, work: Path, name: str, batch: int, budget: int, thread
     from onnxgrad.api import load_graph
     from onnxgrad.memory import simulate
     from onnxgrad.protos import random_feeds
-    step = work / f"{name}_b{batch}_{budget}_step.onnx"
+    step = work / f"{fwd.stem}_{budget}_step.onnx"
     p = run(onnxgrad("mirror", str(fwd), "-o", str(step), "--budget", str(budget), "--optimizer", "sgd"))
     if p.returncode:
         return f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}"
     model = onnx.load(str(step), load_external_data=False)
-    data = work / f"{name}_data.npz"
+    data = work / f"{fwd.stem}_data.npz"
     feeds = random_feeds(model, {}, 0, {t.name for t in model.graph.initializer})
     np.savez(data, **{k: np.concatenate([v, v]) for k, v in feeds.items()})
     static = simulate.simulate(load_graph(str(step))).static
-    record = work / f"{name}_train_rss.json"
+    record = work / f"{fwd.stem}_train_rss.json"
     p = run([sys.executable, "-c", TRAIN, str(record), "train", str(step), "--data", str(data), "--steps", "2",
              "--batch", str(batch), "--provider", "cpu", "--threads", str(threads), "--no-shuffle", "--quiet"])
     if p.returncode:
