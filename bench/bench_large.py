@@ -116,6 +116,20 @@ sys.exit(0 if err_loss < 1e-4 and err_grad < 1e-4 and finite else 1)
 '''
 
 
+def half_check(path: Path) -> str:
+    """What a half-precision build wrote: the weights still float32 and external, Casts to half at their use, and
+    onnx's checker passing on the file (by path: it cannot hold the model in one proto)."""
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+    model = onnx.load(str(path), load_external_data=False)
+    weights = [t for t in model.graph.initializer if t.dims and len(t.dims) == 2]
+    external = [t for t in weights if uses_external_data(t) and t.data_type == onnx.TensorProto.FLOAT]
+    casts = sum(n.op_type == "Cast" for n in model.graph.node)
+    onnx.checker.check_model(str(path))
+    return (f"{len(external)} of {len(weights)} weight matrices float32 in external data, {casts} Casts, "
+            f"onnx.checker passes")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=Path("/tmp/onnxgrad-large"), help="work folder (made and emptied)")
@@ -123,6 +137,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--run", action="store_true", help="also run the training graph and check it against numpy")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32",
+                    help="build-grad --precision; in half precision the written graph is checked instead of run")
     args = ap.parse_args()
     folder = args.dir.resolve()
     if ROOT in folder.parents or folder == ROOT:
@@ -140,7 +156,8 @@ def main() -> int:
         print(f"model: {args.layers} x [{args.width}, {args.width}] float32 + biases, {size / 1e9:.3f} GB of "
               f"external data ({size / 2**30:.3f} GiB), written in {time.perf_counter() - t:.1f} s")
         out = folder / "train.onnx"
-        cmd = [sys.executable, "-m", "onnxgrad.cli", "build-grad", str(model), "-o", str(out)]
+        cmd = [sys.executable, "-m", "onnxgrad.cli", "build-grad", str(model), "-o", str(out),
+               "--precision", args.precision]
         code, wall, peak, _, stderr = measure(cmd)
         if code != 0:
             print(stderr.strip())
@@ -149,7 +166,9 @@ def main() -> int:
         print(f"build-grad: {wall:.1f} s, peak RSS {peak / 1e9:.3f} GB, ratio to model size "
               f"{peak / size:.2f}; wrote {', '.join(sorted(p.name for p in folder.glob('train.onnx*')))} "
               f"({written / 1e9:.3f} GB)")
-        if args.run:
+        if args.precision != "fp32":
+            print(f"written graph: {half_check(out)}")
+        elif args.run:
             check = [sys.executable, "-c", CHECK, str(folder), str(args.width), str(args.layers), str(BATCH)]
             code, wall, peak, stdout, stderr = measure(check)
             print(f"run check: {stdout.strip()}; exit {code}, {wall:.1f} s, peak RSS {peak / 1e9:.3f} GB")
