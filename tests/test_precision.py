@@ -673,3 +673,63 @@ def test_if_branches_are_rewritten_too():
                 assert errors["w_grad"] > 0 and errors["w2_grad"] > 0
             else:  # the else branch is all float32 (the MatMul before the If writes a pinned value)
                 assert errors["w_grad"] == 0 and not np.any(got["w2_grad"])
+
+
+@pytest.mark.parametrize("kind", ["Loop", "Scan"])
+def test_loop_and_scan_bodies_are_rewritten_too(kind):
+    """A recurrence h <- tanh(h W + x_t) over 6 steps: the MatMul inside the body runs in half (the carry and the
+    weight are cast inside the body), the body's inputs and outputs stay float32, so the loop's types and the
+    carries it stores do not change. onnxruntime's CPU provider runs a half MatMul between Casts as float32 (it
+    inserts Casts around kernels it lacks and drops the pairs that cancel), so there the gradients equal float32's:
+    the rewrite changed the types and nothing else. (The reference evaluator, which would round, returns zero
+    gradients for these backward loops in float32 already, and runs no reversed Scan.)"""
+    vi = helper.make_tensor_value_info
+    F = TensorProto.FLOAT
+    steps = 6
+    body_nodes = [helper.make_node("MatMul", ["h_in", "w"], ["m"], name="body_mm"),
+                  helper.make_node("Add", ["m", "xt"], ["s"], name="body_add"),
+                  helper.make_node("Tanh", ["s"], ["h_out"], name="body_tanh"),
+                  helper.make_node("Identity", ["h_out"], ["h_seen"], name="body_seen")]
+    if kind == "Loop":
+        body_nodes = [helper.make_node("Gather", ["xs", "i"], ["xt"], axis=0, name="body_slice"),
+                      helper.make_node("Identity", ["c_in"], ["c_out"], name="body_cond"), *body_nodes]
+        body = helper.make_graph(body_nodes, "body", [vi("i", TensorProto.INT64, []), vi("c_in", TensorProto.BOOL, []),
+                                                      vi("h_in", F, [4, 3])],
+                                 [vi("c_out", TensorProto.BOOL, []), vi("h_out", F, [4, 3]), vi("h_seen", F, [4, 3])])
+        loop = helper.make_node("Loop", ["trips", "true", "h0"], ["h_last", "hs"], body=body, name="recur")
+    else:
+        body = helper.make_graph(body_nodes, "body", [vi("h_in", F, [4, 3]), vi("xt", F, [4, 3])],
+                                 [vi("h_out", F, [4, 3]), vi("h_seen", F, [4, 3])])
+        loop = helper.make_node("Scan", ["h0", "xs"], ["h_last", "hs"], body=body, num_scan_inputs=1, name="recur")
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((0.5 * rng.standard_normal((3, 3))).astype(np.float32), "w"),
+             numpy_helper.from_array(np.array(steps, np.int64), "trips"),
+             numpy_helper.from_array(np.array(True), "true")]
+    nodes = [loop, helper.make_node("ReduceSum", ["hs"], ["loss"], keepdims=0, name="loss")]
+    g = helper.make_graph(nodes, "g", [vi("h0", F, [4, 3]), vi("xs", F, [steps, 4, 3])],
+                          [vi("loss", F, [])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    feeds = {"h0": rng.standard_normal((4, 3)).astype(np.float32),
+             "xs": rng.standard_normal((steps, 4, 3)).astype(np.float32)}
+    import onnxruntime
+
+    def run(train: onnx.ModelProto) -> dict[str, np.ndarray]:
+        session = onnxruntime.InferenceSession(train.SerializeToString(), providers=["CPUExecutionProvider"])
+        return dict(zip(["w_grad", "h0_grad"], session.run(["w_grad", "h0_grad"], feeds)))
+
+    ref = run(onnxgrad.build_gradient(model, requires_grad=["w", "h0"]))
+    for precision in ("fp16", "bf16"):
+        train = onnxgrad.build_gradient(model, precision=precision, requires_grad=["w", "h0"], loss_scale="none")
+        forward = next(n for n in train.graph.node if n.name == "recur")
+        fbody = next(helper.get_attribute_value(a) for a in forward.attribute if a.name == "body")
+        bt = {v.name: v.type.tensor_type.elem_type for v in [*fbody.value_info, *fbody.input, *fbody.output]}
+        mm = next(n for n in fbody.node if n.name == "body_mm")
+        assert all(bt[i] == HALF[precision] for i in mm.input), (precision, mm.input)
+        assert [v.type.tensor_type.elem_type for v in fbody.input] == [v.type.tensor_type.elem_type for v in body.input]
+        kept = [v.type.tensor_type.elem_type for v in fbody.output[:len(body.output)]]  # the residuals follow
+        assert kept == [v.type.tensor_type.elem_type for v in body.output]
+        assert types(train)["hs"] == F
+        if precision == "bf16":  # no bfloat16 MatMul on the CPU provider, not even through Casts
+            continue
+        errors = gradient_errors(ref, run(train))
+        assert max(errors.values()) < 1e-6, (precision, errors)

@@ -170,6 +170,8 @@ class _Rewrite:
         mode = self._mode(node, castable, formal)
         if node.op_type == "If" and node.domain in ("", "ai.onnx"):
             self._rewrite_branches(node)
+        if node.op_type in ("Loop", "Scan") and node.domain in ("", "ai.onnx"):
+            self._rewrite_body(node)
         if mode == F32:
             for i, v in enumerate(node.inputs):
                 if v is not None and v.elem_type == self.half and id(v) in self.versions:
@@ -199,6 +201,22 @@ class _Rewrite:
             counts = cast_to_precision(sub, self.names, self.half, [])
             if counts["casts"]:
                 node.attributes[k] = helper.make_attribute(a.name, _as_branch(sub, a.g, outer))
+
+    def _rewrite_body(self, node: Node) -> None:
+        """Rewrite a Loop's or Scan's body by the same lists, as a graph of its own: its inputs (the iteration's
+        carries and slices) and outputs stay as they are, so the loop's types do not change and the carries it
+        stores for the backward stay float32; what the body computes in between runs in half where allowed."""
+        for k, a in enumerate(node.attributes):
+            if a.type != onnx.AttributeProto.GRAPH or a.name != "body":
+                continue
+            sub = as_graph(a.g, self.graph)
+            formal = len(a.g.input)
+            outer = {v.name for v in sub.inputs[formal:]}
+            counts = cast_to_precision(sub, self.names, self.half, [])
+            if counts["casts"]:
+                body = _as_branch(sub, a.g, outer | {v.name for v in a.g.input})
+                body.input.extend(a.g.input)
+                node.attributes[k] = helper.make_attribute(a.name, body)
 
     def _mode(self, node: Node, castable: list[int], formal) -> int | None:
         """F32, half, or None (leave the node as it is)."""
