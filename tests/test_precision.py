@@ -729,6 +729,8 @@ def test_loop_and_scan_bodies_are_rewritten_too(kind):
         kept = [v.type.tensor_type.elem_type for v in fbody.output[:len(body.output)]]  # the residuals follow
         assert kept == [v.type.tensor_type.elem_type for v in body.output]
         assert types(train)["hs"] == F
+        from onnxgrad.cuda import fallback_nodes
+        assert not fallback_nodes(train), [str(f) for f in fallback_nodes(train)]  # bodies included
         if precision == "bf16":  # no bfloat16 MatMul on the CPU provider, not even through Casts
             continue
         errors = gradient_errors(ref, run(train))
