@@ -156,9 +156,10 @@ def least_budget(train: Path, out: Path, report: Path) -> tuple[str | None, floa
     floor = figure(p.stderr, "least peak any schedule can reach,")
     if floor is None:
         return None, time.perf_counter() - start
-    p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", str(int(floor)), "--report", str(report)))
+    floor = int(floor * 1.001) + 1  # the message rounds the floor to 0.1 MiB
+    p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", str(floor), "--report", str(report)))
     if p.returncode == 0:
-        return str(int(floor)), time.perf_counter() - start
+        return str(floor), time.perf_counter() - start
     least = figure(p.stderr, "the least peak it reaches is") or floor
     for k in range(1, 8):
         budget = str(int(least * (1 + 0.01 * k)))

@@ -171,3 +171,22 @@ def test_the_dp_reaches_the_least_peak_of_the_tanh_chain_and_0_3x_at_32_layers()
     p = bp.problem
     best = solvers.dp_front(p).best_under(int(0.3 * peak) + max(0, p.baseline_peak - peak))
     assert best.extra_cost / bp.forward_cost <= 2.4
+
+
+def test_tidy_drops_copies_before_the_backward_and_copies_nothing_reads():
+    """A copy placed before the first backward op, and a copy that no later copy or backward op reads, leave the
+    schedule; a copy that a backward op reads stays. The peak does not rise."""
+    bp, _ = tanh_chain(4, width=64, batch=256)
+    p = bp.problem
+    base = list(range(p.n))
+    first_backward = next(k for k in base if bp.nodes[k].phase == "backward")
+    # forward op 1 (the first Tanh) is read by backward ops: a copy of it just before the first of them is used
+    reader = next(k for k in base[first_backward:] if 1 in p.inputs[k])
+    used = base[:reader] + [1] + base[reader:]
+    assert bp.tidy(solvers.make_solution(p, used, "test")).schedule == used
+    early = base[:first_backward - 1] + [1] + base[first_backward - 1:]  # a copy before the backward
+    dead = base[:-1] + [1] + base[-1:]  # a copy after its last reader
+    for schedule in (early, dead):
+        solution = solvers.make_solution(p, schedule, "test")
+        tidied = bp.tidy(solution)
+        assert tidied.schedule == base and tidied.peak <= solution.peak and not tidied.recomputed

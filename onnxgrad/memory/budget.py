@@ -157,6 +157,48 @@ class BudgetProblem:
                                        scratch)
         self.forward_cost = sum(c for c, n in zip(cost, self.nodes) if n.phase == FORWARD)
 
+    def tidy(self, solution: solvers.Solution) -> solvers.Solution:
+        """The solver's schedule less the recomputations that cannot help in the graph `plan.apply` writes:
+        copies run before the first backward op (the forward pass itself then holds what they would make,
+        at the same peak, and onnxruntime cannot run them beside the nodes they copy: two copies of one
+        input-only chain, both ready, run interleaved and double the forward's memory), and copies nothing
+        reads (forward nodes read the originals, so a copy made only for the loss is never read). The
+        peak may change; the caller checks it on the graph."""
+        schedule = solution.schedule
+        first_backward = next((p for p, k in enumerate(schedule) if self.nodes[k].phase == BACKWARD), len(schedule))
+        seen: set[int] = set()
+        keep = [True] * len(schedule)
+        for p, k in enumerate(schedule):
+            if k in seen and p < first_backward:
+                keep[p] = False
+            seen.add(k)
+        inputs = self.problem.inputs
+        first_run = {}
+        for p, k in enumerate(schedule):
+            first_run.setdefault(k, p)
+        while True:  # a dead copy can leave the copies it read dead in turn
+            read: set[int] = set()        # ops a later kept copy or backward op reads the latest copy of
+            dead = []
+            for p in range(len(schedule) - 1, -1, -1):
+                if not keep[p]:
+                    continue
+                k = schedule[p]
+                first = p == first_run[k]
+                if not first and k not in read:
+                    dead.append(p)
+                    continue
+                read.discard(k)
+                if not first or self.nodes[k].phase == BACKWARD:
+                    read.update(inputs[k])
+            if not dead:
+                break
+            for p in dead:
+                keep[p] = False
+        if all(keep):
+            return solution
+        tidied = [k for k, kept in zip(schedule, keep) if kept]
+        return solvers.make_solution(self.problem, tidied, solution.solver, None, solution.status)
+
     @staticmethod
     def _may_recompute(n: Node, outputs, read_by_name, save, recompute) -> tuple[bool, str]:
         if n.phase != FORWARD:
@@ -328,8 +370,15 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
         solution = _choose(bp, front, options, target, limits)
         if solution is None:
             break
-        plan = bp.plan(solution, "budget" if options.solver == "fast" else f"budget-{options.solver}")
+        policy = "budget" if options.solver == "fast" else f"budget-{options.solver}"
+        plan = bp.plan(solution, policy)
         peak = peak_of_plan(graph, plan.order, nbytes)
+        tidied = bp.tidy(solution)
+        if tidied is not solution:
+            tidy_plan = bp.plan(tidied, policy)
+            tidy_peak = peak_of_plan(graph, tidy_plan.order, nbytes)
+            if tidy_peak <= peak or (wanted is not None and tidy_peak <= wanted):
+                solution, plan, peak = tidied, tidy_plan, tidy_peak
         if wanted is None or peak <= wanted:
             break
         target -= peak - wanted
