@@ -24,6 +24,7 @@ DISABLED_OPTIMIZERS_KEY = "onnxgrad.disabled_optimizers"
 MEMORY_REUSE_KEY = "onnxgrad.memory_reuse"
 CHECKPOINT_KEY = "onnxgrad.checkpoint"
 PRECISION_KEY = "onnxgrad.precision"          # --precision and the loss scaler's settings, as JSON
+CLASS_LABELS_KEY = "onnxgrad.class_labels"    # labels of an expanded cross-entropy: {input: [classes, ignore_index]}
 
 # The settings a runner applies so that the file's node order is the schedule, recomputed nodes are not merged
 # back into the ones they copy, and each buffer lives as long as its value: PRIORITY_BASED order,

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .contract import LOSS_FN_KEY, PHASES, PHASES_KEY
+from .contract import CLASS_LABELS_KEY, LOSS_FN_KEY, PHASES, PHASES_KEY
 from .errors import InvalidModelError, UsageError
 
 
@@ -201,4 +201,13 @@ def class_counts(model: onnx.ModelProto) -> dict[str, int]:
             dims = shapes.get(n.input[0])
             if dims is not None and len(dims) > 1 and dims[1].HasField("dim_value"):
                 counts[n.input[1]] = dims[1].dim_value
+    for name, (classes, _) in expanded_labels(model).items():
+        if classes is not None:
+            counts[name] = classes
     return counts
+
+
+def expanded_labels(model: onnx.ModelProto) -> dict[str, list]:
+    """The labels of the cross-entropy losses the build expanded into plain ops: {input: [classes, ignore_index]}."""
+    meta = {p.key: p.value for p in model.metadata_props}
+    return json.loads(meta.get(CLASS_LABELS_KEY, "{}"))

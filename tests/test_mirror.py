@@ -270,8 +270,9 @@ def test_memory_command_prints_the_peak_and_draws_the_timelines(tmp_path, capsys
     png, report = tmp_path / "m.png", tmp_path / "m.json"
     assert main(["memory", str(plain), str(mirrored), "--plot", str(png), "--report", str(report)]) == 0
     out = capsys.readouterr().out
-    assert f"{plain}: peak " in out and "saved for the backward: 12 values" in out
-    assert "saved for the backward: 4 values" in out  # the Gemm outputs and the loss's difference
+    # (each with the loss, a scalar the backward waits for)
+    assert f"{plain}: peak " in out and "saved for the backward: 13 values" in out
+    assert "saved for the backward: 5 values" in out  # the Gemm outputs and the loss's difference
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     figures = json.loads(report.read_text())["graphs"]
     assert figures[str(mirrored)]["peak_bytes"] < figures[str(plain)]["peak_bytes"]

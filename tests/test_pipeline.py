@@ -161,8 +161,8 @@ def test_a_pass_out_of_place_fails_with_the_missing_fact():
 def test_the_report_times_every_pass():
     result = onnxgrad.build(MODELS / "mlp.onnx", dims={"N": 4}, loss_fn="cross-entropy", target="logits",
                             loss_options={"loss_output": "ce"}, optimizer="sgd")
-    assert list(result.report["passes"]) == ["read", "infer", "heads", "lower", "gradient", "schedule", "optimizer",
-                                             "validate"]
+    assert list(result.report["passes"]) == ["read", "infer", "heads", "lower", "gradient", "expand_loss",
+                                             "schedule", "optimizer", "validate"]
 
 
 def test_requires_grad_messages_say_what_is_true():

@@ -380,7 +380,8 @@ def test_fp16_conv_block_keeps_only_half_activations():
         assert by[name].inputs[0].elem_type == f32 and by[name].outputs[0].elem_type == f32
         assert [r.op_type for r, _ in by[name].outputs[0].uses] == ["Cast"]
     kept = kept_for_the_backward(graph)
-    assert {name for name, v in kept.items() if v.elem_type != f16} == {"logits"}  # the loss's input, [N, 4]
+    # the loss's input, [N, 4], and the loss (a scalar the backward waits for)
+    assert {name for name, v in kept.items() if v.elem_type != f16} == {"logits", "loss"}
     assert {"c1", "c2", "r1", "r2"} <= set(kept)
     recomputed = {n.inputs[0].name for n in graph.nodes if n.phase == "recompute"}
     assert all(by_op == "Cast" for by_op in (n.op_type for n in graph.nodes if n.phase == "recompute"))

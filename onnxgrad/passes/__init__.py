@@ -17,7 +17,7 @@ def training_pipeline() -> list[Pass]:
     """The build of a training graph (or a step graph), in order. A training graph that build-grad wrote is
     taken up where it was left (`frontend.Adopt`): the heads, lowering and gradient stages then have nothing
     to do, and the later stages (mirror) run on it."""
-    from . import frontend, gradient, loss, mirror, optimizer, precision, schedule, validate
+    from . import expand, frontend, gradient, loss, mirror, optimizer, precision, schedule, validate
     return [
         frontend.Read(),
         frontend.Infer(),
@@ -28,6 +28,7 @@ def training_pipeline() -> list[Pass]:
         gradient.Gradient(),
         precision.LossScale(),
         precision.HalfSums(),
+        expand.ExpandLoss(),
         mirror.Mirror(),
         precision.RecomputeCasts(),
         schedule.Schedule(),

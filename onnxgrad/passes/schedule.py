@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import heapq
 
+from onnx import TensorProto
+
 from ..builder import Builder
 from ..contract import BACKWARD, FORWARD, LOSS_KEY, RECOMPUTE, RUNTIME_HINTS
 from ..ir import Graph, Node, Value
@@ -32,7 +34,9 @@ class Schedule(Pass):
         graph = build.graph
         if not is_topological(graph):
             graph.reorder(stable_topological_order(graph.nodes))
-        build.record(ScheduleResult(anchor_to_gradient(graph, build.seeds, build.new_names())))
+        names = build.new_names()
+        tie_seeds_to_loss(graph, build.seeds, build.heads, names)
+        build.record(ScheduleResult(anchor_to_gradient(graph, build.seeds, names)))
         graph.metadata.update(RUNTIME_HINTS)
         graph.metadata[LOSS_KEY] = ",".join(h.name for h in build.heads)
 
@@ -73,6 +77,56 @@ def stable_topological_order(nodes: list[Node]) -> list[Node]:
     return order
 
 
+def tie_seeds_to_loss(graph: Graph, seeds: list[Value], heads: list[Value], names) -> int:
+    """Make the backward start only once the loss exists: every reader of a seed reads it through a Reshape
+    that waits for the loss (as `anchor_to_gradient` ties a node to a gradient). The seed of a scalar loss is
+    a constant, so without this the gradient's first nodes depend on the labels but not on the forward pass,
+    and whenever onnxruntime holds the file order back (a node it numbers after the file's nodes, as its
+    MatMul + Transpose fusion makes of GPT-2's tied output layer), it runs them during the forward: GPT-2's
+    cross-entropy gradient wrote its 196 MiB one-hot gradient before the logits existed. Returns the number
+    of seeds tied."""
+    # (a head that may hold no element has no element to wait for)
+    heads = [h for h in heads if h.producer is not None and h.shape is not None
+             and not any(d == 0 or not isinstance(d, int) for d in h.shape)]
+    if not heads:
+        return 0
+    position = {id(n): k for k, n in enumerate(graph.nodes)}
+    last_head = max(position[id(h.producer)] for h in heads)
+    readers: dict[int, list[Node]] = {}
+    for n in graph.nodes:
+        for v in n.inputs:
+            if v is not None:
+                readers.setdefault(id(v), []).append(n)
+    before: dict[int, list[Node]] = {}  # id(first reader) -> the tie's nodes, placed just before it
+    tied = 0
+    for seed in seeds:
+        users = [n for n in readers.get(id(seed), []) if seed not in n.implicit_inputs]
+        if not users or all(SEED_TIE in n.name for n in users):
+            continue  # none, or tied already (a training graph taken up again)
+        first = min(users, key=lambda n: position[id(n)])
+        if position[id(first)] <= last_head:
+            continue
+        op = Builder(graph, names, prefix=f"{seed.name}/{SEED_TIE}", phase=BACKWARD)
+        zero = _zero_from(op, heads[0])
+        for h in heads[1:]:
+            zero = op.Add(zero, _zero_from(op, h))
+        tied_seed = op.Reshape(seed, op.Add(op.Shape(seed), zero))
+        tied_seed.elem_type, tied_seed.shape = seed.elem_type, seed.shape
+        for n in users:
+            for i, v in enumerate(n.inputs):
+                if v is seed:
+                    n.set_input(i, tied_seed)
+        before.setdefault(id(first), []).extend(op.emitted)
+        tied += 1
+    if tied:
+        emitted = {id(m) for ms in before.values() for m in ms}
+        graph.reorder([m for n in graph.nodes if id(n) not in emitted for m in before.get(id(n), []) + [n]])
+    return tied
+
+
+SEED_TIE = "after_loss"
+
+
 def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
     """Make every backward or recomputed node that reads a forward value but nothing that depends on the loss,
     and writes a result large enough to matter, wait for the gradient computed just before it in the file: one of its forward inputs is read through a
@@ -102,12 +156,21 @@ def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
             i = next((i for i in floats if node.inputs[i].producer is not None
                       and node.inputs[i].producer.phase in (FORWARD, RECOMPUTE)),
                      next((i for i in floats if node.inputs[i].producer is None), None))
-            if i is not None:
+            # a node that reads no float value (the cross-entropy gradient's one-hot Equal of the labels, 49 MiB
+            # on GPT-2; a ConstantOfShape) waits through its first input when that is int64 data: x + 0
+            first = node.inputs[0] if node.inputs else None
+            added = (i is None and not floats and node.op_type not in SHAPE_READERS and first is not None
+                     and first.elem_type == TensorProto.INT64 and first.shape is not None and len(first.shape) >= 1)
+            if i is not None or added:
                 op = Builder(graph, names, prefix=f"{node.name}/after_gradient", phase=node.phase)
                 if id(source) not in zero_of:
                     zero_of[id(source)] = _zero_from(op, source)
-                x = node.inputs[i]
-                node.set_input(i, op.Reshape(x, op.Add(op.Shape(x), zero_of[id(source)])))
+                if i is not None:
+                    x = node.inputs[i]
+                    node.set_input(i, op.Reshape(x, op.Add(op.Shape(x), zero_of[id(source)])))
+                else:
+                    i, x = 0, first
+                    node.set_input(0, op.Add(x, zero_of[id(source)]))
                 node.inputs[i].elem_type, node.inputs[i].shape = x.elem_type, x.shape
                 order.extend(op.emitted)
                 tied += 1
@@ -126,6 +189,9 @@ def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
 # Producers whose results onnxruntime's optimizers rewrite into new, late-numbered nodes when a tie reads
 # them: the transpose optimizer pushes a Transpose through the tie's Slice.
 UNSTABLE_SOURCES = frozenset({"Transpose"})
+# Ops whose first input is read as a shape, axes or indices that onnxruntime folds when it is constant
+SHAPE_READERS = frozenset({"Reshape", "Expand", "Tile", "Slice", "Squeeze", "Unsqueeze", "Range", "Resize", "Pad",
+                           "Shape", "Size", "NonZero", "Gather", "GatherElements", "GatherND", "OneHot"})
 TIE_MIN_BYTES = 64 * 1024  # smaller results cost little memory wherever they run
 
 
@@ -142,4 +208,6 @@ def _zero_from(op: Builder, g: Value) -> Value:
     if rank:
         one = op.Slice(g, op.ints([0] * rank), op.ints([1] * rank), op.ints(range(rank)))
     flat = op.Reshape(one, op.ints([-1]))
+    if g.elem_type not in (TensorProto.FLOAT, TensorProto.DOUBLE):
+        flat = op.Cast(flat, to=TensorProto.FLOAT)  # onnxruntime's ArgMax takes neither bfloat16 nor every int type
     return op.ArgMax(flat, axis=0, keepdims=1)

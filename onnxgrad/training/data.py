@@ -11,7 +11,7 @@ import onnx
 from onnx import helper
 
 from ..errors import UsageError
-from ..protos import class_counts, declared_dims
+from ..protos import class_counts, declared_dims, expanded_labels
 from .step import StepGraph
 
 
@@ -143,6 +143,7 @@ def check_labels(model: onnx.ModelProto, arrays: dict[str, np.ndarray], source: 
     ignore = {n.input[1]: next((a.i for a in n.attribute if a.name == "ignore_index"), None)
               for n in model.graph.node if n.op_type in ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
               and len(n.input) > 1}
+    ignore.update({name: index for name, (_, index) in expanded_labels(model).items()})
     for name, count in classes.items():
         a = arrays.get(name)
         if a is None or a.size == 0 or a.dtype.kind not in "iu":
