@@ -211,9 +211,12 @@ class Table:
         row = self.rows.get((s, t))
         if row is None:
             space, prefix = self.space, self.prefix
-            total_ = (prefix[s + 1:t + 1] - prefix[s])[:, None] + space.later[s + 1:t + 1, t]
+            total_ = space.later[s + 1:t + 1, t] + (prefix[s + 1:t + 1] - prefix[s])[:, None]
             total_ += space.sooner[s, s:t]
-            row = self.rows[s, t] = np.where(space.kept[s, t], -1, np.argmin(total_, axis=0) + s + 1)
+            row = total_.argmin(axis=0)
+            row += s + 1
+            row[space.kept[s, t]] = -1
+            self.rows[s, t] = row
         return row
 
 
@@ -379,7 +382,8 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
     first_read = [min((u for u in problem.users[i] if u >= end), default=n) for i in range(n)]
     found: dict[tuple[int, ...], None] = {}
     walks: set[tuple] = set()
-    inner_stage: dict[tuple[int, int], int] = {}
+    inner_stage: dict[int, list[int]] = {}  # per j, by s
+    ops, cross = bl.ops, bl.cross
     rows: dict[tuple[int, int], list[int]] = {}
     finite = np.isfinite(opt[0, L - 1]).tolist()
     for m in range(opt.shape[2]):
@@ -406,11 +410,10 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
                 continue
             # blocks s..j-1 are reversed from the first stage that reads one of their values other than what
             # crosses into block j (held for blocks j..t, so still there)
-            inner = inner_stage.get((s, j))
-            if inner is None:
-                right = set(bl.cross[j - 1])
-                inner = inner_stage[s, j] = min((first_read[i] for k in range(s, j) for i in bl.ops[k]
-                                                 if i not in right), default=n)
+            reads_from = inner_stage.get(j)
+            if reads_from is None:
+                reads_from = inner_stage[j] = _first_reads(bl, first_read, j, n)
+            inner = reads_from[s]
             # popped last-in first-out: blocks j..t are reversed first, then s..j-1 from the stage they start at
             stack.append((s, j - 1, mem - held_u[j - 1], inner))
             stack.append((j, t, mem - cross_u[j - 1], stage))
@@ -418,21 +421,32 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
         if walk in walks:
             continue
         walks.add(walk)
+        # an op takes the entry of the first step that stores it: the steps are stored last to first, each
+        # overwriting what later ones stored (a block's kept values are among its ops)
         entries = list(base)
-        assigned = [False] * n
-
-        def store(ops, entry):
-            for i in ops:
-                if not assigned[i]:
-                    assigned[i] = True
-                    entries[i] = entry
-
-        for s, j, stage in walk:
+        for s, j, stage in reversed(walk):
             entry = hold if stage is None else plan_entry(n, last_forward, int(stage))
             if j < 0:
-                store(bl.ops[s] if stage is None else bl.kept[s] + bl.ops[s], entry)
-                store(bl.cross[s], entry)
+                for i in cross[s]:
+                    entries[i] = entry
+                for i in ops[s]:
+                    entries[i] = entry
             else:
-                store(bl.cross[j - 1], entry)
+                for i in cross[j - 1]:
+                    entries[i] = entry
         found[tuple(entries)] = None
     return list(found)
+
+
+def _first_reads(bl: Blocks, first_read: list[int], j: int, n: int) -> list[int]:
+    """For every s < j, the first stage that reads a value of blocks s..j-1 other than what crosses into block j
+    (n: none): the stage from which blocks s..j-1 are reversed once j.. have been."""
+    right = set(bl.cross[j - 1])
+    least = [n] * j
+    running = n
+    for k in range(j - 1, -1, -1):
+        for i in bl.ops[k]:
+            if i not in right and first_read[i] < running:
+                running = first_read[i]
+        least[k] = running
+    return least
