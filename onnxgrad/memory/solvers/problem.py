@@ -30,7 +30,7 @@ import numpy as np
 @dataclass(frozen=True)
 class Arrays:
     """A problem's reads (each op's distinct reads, flattened: op i reads read_ops[read_start[i]:][:read_count[i]]),
-    sizes, scratch bytes, kept ops and costs, as numpy arrays."""
+    sizes, scratch bytes, kept ops, costs and movable ops, as numpy arrays."""
 
     read_count: np.ndarray
     read_start: np.ndarray
@@ -39,6 +39,7 @@ class Arrays:
     scratch: np.ndarray
     keep: np.ndarray
     cost: np.ndarray
+    movable: np.ndarray
 
 
 @dataclass(eq=False)
@@ -89,7 +90,7 @@ class Problem:
         flat = np.fromiter((i for r in reads for i in r), dtype=np.int64, count=int(count.sum()))
         return Arrays(count, start, flat, np.asarray(self.size, dtype=np.int64),
                       np.asarray(self.scratch, dtype=np.int64), np.asarray(sorted(self.keep), dtype=np.int64),
-                      np.asarray(self.cost, dtype=float))
+                      np.asarray(self.cost, dtype=float), np.asarray(self.movable, dtype=bool))
 
     @cached_property
     def movable_ops(self) -> list[int]:
@@ -146,6 +147,17 @@ class Problem:
         """The forward region's narrow points: see `narrow_points`."""
         return narrow_points(self)
 
+    @cached_property
+    def cut_values(self) -> np.ndarray:
+        """What crosses each narrow point of `cuts` that is movable, one row per point, padded with -1."""
+        crossing = self.cuts[1]
+        movable = self.movable
+        rows = [[i for i in c if movable[i]] for c in crossing]
+        table = np.full((len(rows), max(map(len, rows), default=0)), -1, dtype=np.int64)
+        for j, row in enumerate(rows):
+            table[j, :len(row)] = row
+        return table
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # The liveness kernel
@@ -192,7 +204,7 @@ def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.nda
     """The schedule as an array, and the live bytes after and during each step (see `profile`)."""
     length = len(schedule)
     arrays = problem.arrays
-    ops = np.array(schedule, dtype=np.int64)
+    ops = np.fromiter(schedule, dtype=np.int64, count=length)
     positions = np.arange(length, dtype=np.int64)
     # every read: (position of the reader, op read), in schedule order
     count = arrays.read_count[ops]
@@ -374,19 +386,16 @@ def plan_entry(n: int, horizon: int, reuse_from: int) -> int:
     return horizon * (n + 1) + reuse_from
 
 
-def plan_of_classes(problem: Problem, classes: list[int]) -> tuple[int, ...]:
+def plan_of_classes(problem: Problem, classes: list[int] | np.ndarray) -> tuple[int, ...]:
     """The plan of one named class per op (ignored for ops that are not movable)."""
     n, last_forward = problem.n, problem.forward_end - 1
-    hold = plan_entry(n, n, 0)
-    entries = []
-    for i, c in enumerate(classes):
-        if not problem.movable[i] or c == HOLD:
-            entries.append(hold)
-        elif c == SHORT:
-            entries.append(plan_entry(n, min(last_forward, i + SHORT_REACH), n))
-        else:
-            entries.append(plan_entry(n, last_forward, 0 if c == REUSE else n))
-    return tuple(entries)
+    classes = np.asarray(classes)
+    index = np.arange(n, dtype=np.int64)
+    entries = np.where(classes == REUSE, plan_entry(n, last_forward, 0), plan_entry(n, last_forward, n))
+    short = classes == SHORT
+    entries[short] = plan_entry(n, np.minimum(last_forward, index[short] + SHORT_REACH), n)
+    entries[(classes == HOLD) | ~problem.arrays.movable] = plan_entry(n, n, 0)
+    return tuple(entries.tolist())
 
 
 def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
