@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .problem import Problem, crossings, plan_entry, profile
+from .problem import Plan, Problem, crossings, plan_entry, profile
 
 MAX_BLOCKS = 100  # more narrow points than this are merged into this many blocks (the table is cubic in it)
 LEVELS = 240  # memory levels of the table
@@ -434,7 +434,7 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
             else:
                 for i in cross[j - 1]:
                     entries[i] = entry
-        found[tuple(entries)] = None
+        found[Plan(entries)] = None
     return list(found)
 
 

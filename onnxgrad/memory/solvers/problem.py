@@ -378,6 +378,19 @@ def make_solution(problem: Problem, schedule: list[int], solver: str, gap: float
 # Plans and their staged schedules
 
 SHORT, DROP, REUSE, HOLD = 0, 1, 2, 3
+
+
+class Plan(tuple):
+    """A plan (a tuple of entries) that computes its hash once: a plan of a large graph has tens of thousands of
+    entries, and the solvers use it as a dictionary key several times over. Equal to, and hashed as, the plain
+    tuple of the same entries."""
+
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("hash")
+        if cached is None:
+            cached = self.__dict__["hash"] = tuple.__hash__(self)
+        return cached
+
 SHORT_REACH = 2
 
 
@@ -395,7 +408,7 @@ def plan_of_classes(problem: Problem, classes: list[int] | np.ndarray) -> tuple[
     short = classes == SHORT
     entries[short] = plan_entry(n, np.minimum(last_forward, index[short] + SHORT_REACH), n)
     entries[(classes == HOLD) | ~problem.arrays.movable] = plan_entry(n, n, 0)
-    return tuple(entries.tolist())
+    return Plan(entries.tolist())
 
 
 def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
@@ -408,20 +421,23 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
     movable_reads, movable_ops = problem.movable_reads, problem.movable_ops
     # good[i]: the last stage at which op i's latest copy serves a reader. Its first run serves up to its horizon;
     # a copy recomputed at stage t serves to the end if t is at or after the op's reuse stage, else stage t alone.
-    # Only movable ops are ever missing: an op that runs once is where it was left from its stage on.
-    good = [n] * n
-    reuse_from = [0] * n
+    # Only movable ops are ever missing: an op that runs once is where it was left from its stage on. It is kept
+    # as served[i], a number that stage t finds below t * (n + 1) exactly when t > good[i]: the plan entry itself
+    # at first (its reuse stage is below n + 1), good[i] * (n + 1) once recomputed; so no entry is split up front.
     stride = n + 1
-    for i in movable_ops:
-        good[i], reuse_from[i] = divmod(plan[i], stride)
+    served = list(plan)
     # while no horizon ends inside the forward region, its ops run alone in order (every input where it was left)
-    start = problem.forward_end if min((good[i] for i in movable_ops), default=n) >= problem.forward_end - 1 else 0
+    start = problem.forward_end
+    if movable_ops and min(map(served.__getitem__, movable_ops)) < (start - 1) * stride:
+        start = 0
     schedule = list(range(start))
     append, extend = schedule.append, schedule.extend
+    held = n * stride
     for t in range(start, n):
+        now = t * stride
         # most ops find every input where it was left: they run alone, with no search for what to recompute
         for i in movable_reads[t]:
-            if t > good[i]:
+            if now > served[i]:
                 break
         else:
             append(t)
@@ -431,9 +447,9 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
         need = [t]
         for k in need:
             for i in movable_reads[k]:
-                if t <= good[i]:
+                if now <= served[i]:
                     continue
-                good[i] = n if t >= reuse_from[i] else t
+                served[i] = held if t >= plan[i] % stride else now
                 need.append(i)
         need.sort()
         extend(need)
