@@ -384,7 +384,7 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
     walks: set[tuple] = set()
     inner_stage: dict[int, list[int]] = {}  # per j, by s
     ops, cross = bl.ops, bl.cross
-    rows: dict[tuple[int, int], list[int]] = {}
+    rows: list[list[int] | None] = [None] * (L * L)  # the choice row of (s, t) at s * L + t, once visited
     finite = np.isfinite(opt[0, L - 1]).tolist()
     for m in range(opt.shape[2]):
         if not finite[m]:
@@ -393,20 +393,27 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
         # its walk, (block, the block whose incoming values are held or -1, stage) per step, is all a plan
         # depends on, so levels that recurse alike give their plan once
         walk = []
+        append = walk.append
         stack = [(0, L - 1, m, None)]
         while stack:
             s, t, mem, stage = stack.pop()
-            if s < t:
-                row = rows.get((s, t))
-                if row is None:
-                    row = rows[s, t] = tab.choice(s, t).tolist()
-                j = row[mem]
-            else:
-                j = -1
-            walk.append((s, j, stage))
-            if j < 0:
+            # blocks that run keeping their values, one after another (each a step of the walk)
+            while True:
                 if s < t:
-                    stack.append((s + 1, t, min(mem - keep_u[s] + free_u[s], top), stage))
+                    row = rows[s * L + t]
+                    if row is None:
+                        row = rows[s * L + t] = tab.choice(s, t).tolist()
+                    j = row[mem]
+                else:
+                    j = -1
+                append((s, j, stage))
+                if j >= 0 or s >= t:
+                    break
+                mem = mem - keep_u[s] + free_u[s]
+                if mem > top:
+                    mem = top
+                s += 1
+            if j < 0:
                 continue
             # blocks s..j-1 are reversed from the first stage that reads one of their values other than what
             # crosses into block j (held for blocks j..t, so still there)
