@@ -30,7 +30,7 @@ import numpy as np
 @dataclass(frozen=True)
 class Arrays:
     """A problem's reads (each op's distinct reads, flattened: op i reads read_ops[read_start[i]:][:read_count[i]]),
-    sizes, scratch bytes, kept ops, costs and movable ops, as numpy arrays."""
+    sizes, scratch bytes (and whether any op has some), kept ops, costs and movable ops, as numpy arrays."""
 
     read_count: np.ndarray
     read_start: np.ndarray
@@ -40,6 +40,7 @@ class Arrays:
     keep: np.ndarray
     cost: np.ndarray
     movable: np.ndarray
+    has_scratch: bool
 
 
 @dataclass(eq=False)
@@ -90,7 +91,8 @@ class Problem:
         flat = np.fromiter((i for r in reads for i in r), dtype=np.int64, count=int(count.sum()))
         return Arrays(count, start, flat, np.asarray(self.size, dtype=np.int64),
                       np.asarray(self.scratch, dtype=np.int64), np.asarray(sorted(self.keep), dtype=np.int64),
-                      np.asarray(self.cost, dtype=float), np.asarray(self.movable, dtype=bool))
+                      np.asarray(self.cost, dtype=float), np.asarray(self.movable, dtype=bool),
+                      any(self.scratch))
 
     @cached_property
     def movable_ops(self) -> list[int]:
@@ -227,9 +229,13 @@ def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.nda
     size = arrays.size[ops]
     freed = np.zeros(length + 1, dtype=np.int64)
     np.add.at(freed, end, size)
-    allocated = np.cumsum(size) + problem.static_bytes
-    live_after = allocated - np.cumsum(freed[:length])
-    during = np.concatenate(([problem.static_bytes], live_after[:-1])) + size + arrays.scratch[ops]
+    freed = freed[:length]
+    live_after = np.cumsum(size - freed)
+    live_after += problem.static_bytes
+    # while a step runs, what it frees right after it is still live
+    during = live_after + freed
+    if arrays.has_scratch:
+        during += arrays.scratch[ops]
     return ops, live_after, during
 
 
