@@ -285,12 +285,17 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
     lowest_later, settled_later = np.full((L, L), M) + crossing_in[:, None], np.zeros((L, L), dtype=int) + crossing_in[:, None]
     lowest_sooner, settled_sooner = np.full((L, L), M) + held_u[None, :], np.zeros((L, L), dtype=int) + held_u[None, :]
 
-    def bounds(width: int) -> tuple[np.ndarray, np.ndarray]:
+    def bounds(width: int, first: int = 0, last: int = M - 1) -> tuple[np.ndarray, np.ndarray]:
+        """The first finite level and the settled level of each range of a width, from its levels first..last:
+        below them every entry is infinite, above them each repeats the one at `last`."""
         ranges = band(opt, width)
-        finite = np.isfinite(ranges)
-        lowest = np.where(finite.any(axis=1), finite.argmax(axis=1), M)
-        moving = ranges != ranges[:, -1:]
-        settled = np.where(moving.any(axis=1), M - moving[:, ::-1].argmax(axis=1), 0)
+        window = ranges[:, first:last + 1]
+        finite = np.isfinite(window)
+        lowest = np.where(finite.any(axis=1), finite.argmax(axis=1) + first, M)
+        moving = window != ranges[:, last:last + 1]
+        # an entry finite at the top and the same all through the window moves just below it (infinite there)
+        settled = np.where(moving.any(axis=1), last + 1 - moving[:, ::-1].argmax(axis=1),
+                           np.where(finite[:, -1], first, 0))
         S = L - width
         band(lowest_later, width)[:] = lowest + crossing_in[:S]
         band(settled_later, width)[:] = settled + crossing_in[:S]
@@ -320,7 +325,7 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
                               int(pairs(settled_sooner, width, False).max())))
         at = levels_[first:last + 1]
         reads = np.minimum(at[None, :] - k[:, None] + free_u[:S, None], M - 1)
-        runs = bl.fwd[:S, None] + np.take_along_axis(band(opt, width - 1)[1:], np.clip(reads, 0, M - 1), axis=1)
+        runs = bl.fwd[:S, None] + band(opt, width - 1)[1:][np.arange(S)[:, None], np.maximum(reads, 0)]
         best = np.where(at[None, :] >= lowest[:, None], runs, inf)
         # hold what crosses into block j = s+1+i, for every i in 0..width-1 at once: later[s+1+i, s+width] and
         # sooner[s, s+i] lie at regular strides over (s, i, level), so they are read in place
@@ -338,7 +343,7 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
         kept[:, first:last + 1] = ~better
         kept[:, last + 1:] = kept[:, last:last + 1]
         settle(width)
-        lowest_of, settled_of = bounds(width)
+        lowest_of, settled_of = bounds(width, first, last)
     return Table(bl, model, space, prefix, {})
 
 
