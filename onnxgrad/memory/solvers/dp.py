@@ -32,6 +32,7 @@ from .problem import Plan, Problem, crossings, plan_entry, profile
 
 MAX_BLOCKS = 100  # more narrow points than this are merged into this many blocks (the table is cubic in it)
 LEVELS = 240  # memory levels of the table
+CHOICE_WORK = 1000  # sums per range the table searches for a width's choices; past that, `Table.choice` (as costly per range)
 
 
 @dataclass
@@ -173,50 +174,53 @@ def _levels(unit: int):
 @dataclass
 class Workspace:
     """The arrays a table is computed in, allocated once for the tables of every model (fresh memory costs its
-    page faults every time): opt[s, t, m]; whether block s keeps what its backward reads there (`kept`); opt
-    shifted by what crosses into block s (`later`) and by what block t holds on (`sooner`); a scratch buffer."""
+    page faults every time): opt[s, t, m]; whether block s keeps what its backward reads there (`kept`) and
+    otherwise the block j whose incoming values are held (`choice`, -1 where kept); opt shifted by what crosses
+    into block s (`later`) and by what block t holds on (`sooner`); a scratch buffer."""
 
     opt: np.ndarray
     kept: np.ndarray
+    choice: np.ndarray
     later: np.ndarray
     sooner: np.ndarray
     total: np.ndarray
 
     @classmethod
     def of(cls, L: int, M: int) -> "Workspace":
-        return cls(np.empty((L, L, M)), np.empty((L, L, M), dtype=bool), np.empty((L, L, M)), np.empty((L, L, M)),
-                   np.empty(L * L * M // 4 + L * M))
+        return cls(np.empty((L, L, M)), np.empty((L, L, M), dtype=bool),
+                   np.empty((L, L, M), dtype=np.int16 if L < 2**15 else np.int64), np.empty((L, L, M)),
+                   np.empty((L, L, M)), np.empty(L * L * M // 4 + L * M))
 
 
 @dataclass
 class Table:
     """opt[s, t, m] of one model over M memory levels, and the choice made at each (-1: block s keeps what its
-    backward reads; j: hold what crosses into block j), worked out per range (s, t) when a plan's recursion
-    first visits it. In opt[s, t, m], what crosses into block s and what the model's `held` says of block t's
-    end are held by the caller, outside m. It reads its workspace: valid until that computes another table."""
+    backward reads; j: hold what crosses into block j). In opt[s, t, m], what crosses into block s and what the
+    model's `held` says of block t's end are held by the caller, outside m. It reads its workspace: valid until
+    that computes another table."""
 
     blocks: Blocks
     model: Model
     space: Workspace
     prefix: np.ndarray  # forward cost of blocks 0..k-1 at k
-    rows: dict[tuple[int, int], np.ndarray]
+    chosen: np.ndarray  # per width, whether `space.choice` holds its choices
 
     @property
     def opt(self) -> np.ndarray:
         return self.space.opt
 
     def choice(self, s: int, t: int) -> np.ndarray:
-        """The choice at (s, t) for every level: the first j of least cost, from the same sums in the same
-        order as the table's minimum."""
-        row = self.rows.get((s, t))
-        if row is None:
-            space, prefix = self.space, self.prefix
-            total_ = space.later[s + 1:t + 1, t] + (prefix[s + 1:t + 1] - prefix[s])[:, None]
-            total_ += space.sooner[s, s:t]
-            row = total_.argmin(axis=0)
-            row += s + 1
-            row[space.kept[s, t]] = -1
-            self.rows[s, t] = row
+        """The choice at (s, t) for every level: -1, or the first j of least cost. The table works out the
+        choices of the widths where few levels hold something; the others are worked out here, for the ranges a
+        plan's recursion visits, from the same sums in the same order as the table's minimum."""
+        if self.chosen[t - s]:
+            return self.space.choice[s, t]
+        space, prefix = self.space, self.prefix
+        total_ = space.later[s + 1:t + 1, t] + (prefix[s + 1:t + 1] - prefix[s])[:, None]
+        total_ += space.sooner[s, s:t]
+        row = total_.argmin(axis=0)
+        row += s + 1
+        row[space.kept[s, t]] = -1
         return row
 
 
@@ -236,6 +240,8 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
     for a in (opt, later, sooner):
         a.fill(inf)
     space.kept.fill(True)
+    space.choice.fill(-1)
+    chosen = np.ones(L, dtype=bool)
     prefix = _prefix(bl)
     levels_ = np.arange(M)
     leaf_cost = np.where(model.redo, bl.fwd, 0.0)
@@ -342,9 +348,17 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
         ranges[:, last + 1:] = ranges[:, last:last + 1]
         kept[:, first:last + 1] = ~better
         kept[:, last + 1:] = kept[:, last:last + 1]
+        # where holding what crosses into some block beats keeping block s: the first j of least cost, found
+        # here unless that takes longer than finding it for each range (of this width) on its own
+        starts, at_level = np.nonzero(better)
+        chosen[width] = len(starts) * width <= CHOICE_WORK * S
+        if len(starts) and chosen[width]:
+            picks = band(space.choice, width)
+            picks[starts, at_level + first] = starts + 1 + total_[starts, :, at_level].argmin(axis=1)
+            picks[:, last + 1:] = picks[:, last:last + 1]
         settle(width)
         lowest_of, settled_of = bounds(width, first, last)
-    return Table(bl, model, space, prefix, {})
+    return Table(bl, model, space, prefix, chosen)
 
 
 def _strided(a: np.ndarray, offset: int, shape: tuple[int, ...], steps: tuple[int, ...]) -> np.ndarray:
