@@ -32,7 +32,9 @@ from .problem import Plan, Problem, crossings, plan_entry, profile
 
 MAX_BLOCKS = 100  # more narrow points than this are merged into this many blocks (the table is cubic in it)
 LEVELS = 240  # memory levels of the table
-CHOICE_WORK = 1000  # sums per range the table searches for a width's choices; past that, `Table.choice` (as costly per range)
+# sums per range the table may search for the choices of a width; past that they are left to `Table.choice`, which
+# costs about that much per range it is asked for
+CHOICE_WORK = 1000
 
 
 @dataclass
@@ -270,17 +272,19 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
     def settle(width: int) -> None:
         ranges = band(opt, width)
         S = L - width
-        for shifted, by_value, offset in ((band(later, width), later_groups, 0), (band(sooner, width), sooner_groups,
-                                                                                   width)):
+        for shifted, by_value, offset in ((band(later, width), later_groups, 0),
+                                          (band(sooner, width), sooner_groups, width)):
             # a few distinct shifts (one or two on a uniform chain): the rows of each, as a slice where they run
             # on without a gap
             for c, where in by_value:
                 if c >= M:
                     continue
-                where = where[(where >= offset) & (where < S + offset)] - offset if offset or where[-1] >= S else where
+                if offset or where[-1] >= S:
+                    where = where[(where >= offset) & (where < S + offset)] - offset
                 if len(where) == 0:
                     continue
-                rows = slice(int(where[0]), int(where[-1]) + 1) if where[-1] - where[0] == len(where) - 1 else where
+                gapless = where[-1] - where[0] == len(where) - 1
+                rows = slice(int(where[0]), int(where[-1]) + 1) if gapless else where
                 shifted[rows, c:] = ranges[rows, :M - c]
 
     # Along the levels every entry is infinite below its first finite level (`lowest`) and constant from its
@@ -288,8 +292,10 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
     # computed over the levels between the least first finite level and the greatest settled one, and the level
     # above them repeat the top computed one (the same sums, so the same table, about half the work). Both are
     # kept shifted as `later` and `sooner` are, and as they are for the last width computed.
-    lowest_later, settled_later = np.full((L, L), M) + crossing_in[:, None], np.zeros((L, L), dtype=int) + crossing_in[:, None]
-    lowest_sooner, settled_sooner = np.full((L, L), M) + held_u[None, :], np.zeros((L, L), dtype=int) + held_u[None, :]
+    lowest_later = np.full((L, L), M) + crossing_in[:, None]
+    settled_later = np.zeros((L, L), dtype=int) + crossing_in[:, None]
+    lowest_sooner = np.full((L, L), M) + held_u[None, :]
+    settled_sooner = np.zeros((L, L), dtype=int) + held_u[None, :]
 
     def bounds(width: int, first: int = 0, last: int = M - 1) -> tuple[np.ndarray, np.ndarray]:
         """The first finite level and the settled level of each range of a width, from its levels first..last:
