@@ -23,6 +23,7 @@ own memory model, which counts only the bytes above (not gradients or working me
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -263,28 +264,28 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
             return _strided(a, L + width, (L - width, width), (L + 1, L))
         return _strided(a, 0, (L - width, width), (L + 1, 1))
 
-    def groups(by: np.ndarray) -> list[tuple[int, np.ndarray]]:
-        """The positions of each distinct value of `by`, in increasing order."""
-        return [(c, np.flatnonzero(by == c)) for c in np.unique(by).tolist()]
+    def groups(by: np.ndarray) -> list[tuple[int, np.ndarray, list[int]]]:
+        """The positions of each distinct value of `by`, in increasing order (as an array and as a list)."""
+        return [(c, where, where.tolist()) for c in np.unique(by).tolist() for where in [np.flatnonzero(by == c)]]
 
     later_groups, sooner_groups = groups(crossing_in), groups(held_u)
 
     def settle(width: int) -> None:
         ranges = band(opt, width)
         S = L - width
+        # later[s, s + width] is shifted by crossing_in[s], sooner[s, s + width] by held_u[s + width]
         for shifted, by_value, offset in ((band(later, width), later_groups, 0),
                                           (band(sooner, width), sooner_groups, width)):
             # a few distinct shifts (one or two on a uniform chain): the rows of each, as a slice where they run
             # on without a gap
-            for c, where in by_value:
-                if c >= M:
+            for c, where, listed in by_value:
+                lo, hi = bisect.bisect_left(listed, offset), bisect.bisect_left(listed, S + offset)
+                if c >= M or lo == hi:
                     continue
-                if offset or where[-1] >= S:
-                    where = where[(where >= offset) & (where < S + offset)] - offset
-                if len(where) == 0:
-                    continue
-                gapless = where[-1] - where[0] == len(where) - 1
-                rows = slice(int(where[0]), int(where[-1]) + 1) if gapless else where
+                if listed[hi - 1] - listed[lo] == hi - 1 - lo:
+                    rows = slice(listed[lo] - offset, listed[hi - 1] - offset + 1)
+                else:
+                    rows = where[lo:hi] - offset
                 shifted[rows, c:] = ranges[rows, :M - c]
 
     # Along the levels every entry is infinite below its first finite level (`lowest`) and constant from its
@@ -371,9 +372,11 @@ def _strided(a: np.ndarray, offset: int, shape: tuple[int, ...], steps: tuple[in
     """A view of contiguous `a` as rows of its first two axes flattened: starting at row `offset`, `steps` rows
     apart along each axis of `shape`, each row whole (the remaining axes of a). A constructor call, about ten
     times cheaper than `as_strided`, which the table makes thousands of times."""
-    row = a.strides[1] if a.ndim > 1 else a.strides[0]
-    rest = a.shape[2:]
-    return np.ndarray(shape + rest, a.dtype, a, offset * row, tuple(k * row for k in steps) + a.strides[2:])
+    strides = a.strides
+    row = strides[1] if len(strides) > 1 else strides[0]
+    if len(steps) == 1:
+        return np.ndarray(shape + a.shape[2:], a.dtype, a, offset * row, (steps[0] * row,) + strides[2:])
+    return np.ndarray(shape + a.shape[2:], a.dtype, a, offset * row, (steps[0] * row, steps[1] * row) + strides[2:])
 
 
 def plans(problem: Problem, max_blocks: int = MAX_BLOCKS, levels: int = LEVELS) -> list[tuple[int, ...]]:
