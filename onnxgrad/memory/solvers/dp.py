@@ -96,7 +96,7 @@ def blocks(problem: Problem, max_blocks: int = MAX_BLOCKS) -> Blocks | None:
     # reads an earlier block's. (The static bytes are outside the table's memory.)
     during = profile(Problem([0 if m else b for m, b in zip(movable, size)], problem.cost, problem.inputs,
                              problem.recomputable, problem.keep, scratch=problem.scratch), problem.baseline).during
-    first_read = [min((u for u in users[i] if u >= end), default=problem.n) for i in range(problem.n)]
+    first_read = problem.first_backward_read
     anchor = [min((first_read[i] for i in ops[k] + (cross[k - 1] if k else [])), default=problem.n)
               for k in range(L)]
     need, redo, held, free = [], [], [], []
@@ -406,8 +406,7 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
     n, last_forward = problem.n, problem.forward_end - 1
     hold = plan_entry(n, n, 0)
     base = [hold if not m else plan_entry(n, last_forward, n) for m in problem.movable]
-    end = problem.forward_end
-    first_read = [min((u for u in problem.users[i] if u >= end), default=n) for i in range(n)]
+    first_read = problem.first_backward_read
     found: dict[tuple[int, ...], None] = {}
     walks: set[tuple] = set()
     inner_stage: dict[int, list[int]] = {}  # per j, by s

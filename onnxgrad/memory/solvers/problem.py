@@ -21,6 +21,7 @@ recomputed, then kept from the stage whose backward sweep stores it), which the 
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -138,6 +139,16 @@ class Problem:
         holds for forward readers anyway."""
         last = max((i for i, r in enumerate(self.movable) if r), default=-1)
         return last + 1
+
+    @cached_property
+    def first_backward_read(self) -> list[int]:
+        """Per op, its first reader at or after `forward_end` (n: none)."""
+        end, n = self.forward_end, self.n
+        first = []
+        for readers in self.users:
+            k = bisect.bisect_left(readers, end)
+            first.append(readers[k] if k < len(readers) else n)
+        return first
 
     @cached_property
     def forward_cost(self) -> float:
