@@ -207,6 +207,8 @@ class Table:
     space: Workspace
     prefix: np.ndarray  # forward cost of blocks 0..k-1 at k
     chosen: np.ndarray  # per width, whether `space.choice` holds its choices
+    later: np.ndarray  # opt shifted by what crosses into block s: `space.later`, or opt where nothing shifts it
+    sooner: np.ndarray  # opt shifted by what block t holds on: `space.sooner`, or opt where nothing shifts it
 
     @property
     def opt(self) -> np.ndarray:
@@ -218,12 +220,12 @@ class Table:
         plan's recursion visits, from the same sums in the same order as the table's minimum."""
         if self.chosen[t - s]:
             return self.space.choice[s, t]
-        space, prefix = self.space, self.prefix
-        total_ = space.later[s + 1:t + 1, t] + (prefix[s + 1:t + 1] - prefix[s])[:, None]
-        total_ += space.sooner[s, s:t]
+        prefix = self.prefix
+        total_ = self.later[s + 1:t + 1, t] + (prefix[s + 1:t + 1] - prefix[s])[:, None]
+        total_ += self.sooner[s, s:t]
         row = total_.argmin(axis=0)
         row += s + 1
-        row[space.kept[s, t]] = -1
+        row[self.space.kept[s, t]] = -1
         return row
 
 
@@ -239,8 +241,14 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
     keep_u, cross_u, held_u, free_u = (np.asarray(x) for x in (model.keep, model.cross, model.held, model.free))
     need_u = np.asarray(model.need)
     inf = math.inf
-    opt, later, sooner = space.opt, space.later, space.sooner
-    for a in (opt, later, sooner):
+    # later[j, t] = opt[j, t] shifted by what crosses into block j: the memory left when that is held;
+    # sooner[s, t] = opt[s, t] shifted by what block t holds on from the sweep that made it. Where nothing shifts
+    # it (no bytes cross, or none are held on), it is opt itself, read in place
+    crossing_in = np.concatenate([[0], cross_u[:-1]]).astype(int)
+    opt = space.opt
+    later = space.later if crossing_in.any() else opt
+    sooner = space.sooner if held_u.any() else opt
+    for a in {id(a): a for a in (opt, later, sooner)}.values():
         a.fill(inf)
     space.kept.fill(True)
     space.choice.fill(-1)
@@ -249,9 +257,6 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
     levels_ = np.arange(M)
     leaf_cost = np.where(model.redo, bl.fwd, 0.0)
 
-    # later[j, t] = opt[j, t] shifted by what crosses into block j: the memory left when that is held;
-    # sooner[s, t] = opt[s, t] shifted by what block t holds on from the sweep that made it
-    crossing_in = np.concatenate([[0], cross_u[:-1]]).astype(int)
 
     def band(a: np.ndarray, width: int) -> np.ndarray:
         """a[s, s + width] for every s, in place: (L - width, M) at a regular stride (L - width for 2-D a)."""
@@ -268,14 +273,15 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
         """The positions of each distinct value of `by`, in increasing order (as an array and as a list)."""
         return [(c, where, where.tolist()) for c in np.unique(by).tolist() for where in [np.flatnonzero(by == c)]]
 
-    later_groups, sooner_groups = groups(crossing_in), groups(held_u)
+    # later[s, s + width] is shifted by crossing_in[s], sooner[s, s + width] by held_u[s + width]
+    shifted_copies = [(a, groups(by), offset) for a, by, offset in ((later, crossing_in, 0), (sooner, held_u, 1))
+                      if a is not opt]
 
     def settle(width: int) -> None:
         ranges = band(opt, width)
         S = L - width
-        # later[s, s + width] is shifted by crossing_in[s], sooner[s, s + width] by held_u[s + width]
-        for shifted, by_value, offset in ((band(later, width), later_groups, 0),
-                                          (band(sooner, width), sooner_groups, width)):
+        for copy, by_value, offset in shifted_copies:
+            shifted, offset = band(copy, width), offset * width
             # a few distinct shifts (one or two on a uniform chain): the rows of each, as a slice where they run
             # on without a gap
             for c, where, listed in by_value:
@@ -365,7 +371,7 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
             picks[:, last + 1:] = picks[:, last:last + 1]
         settle(width)
         lowest_of, settled_of = bounds(width, first, last)
-    return Table(bl, model, space, prefix, chosen)
+    return Table(bl, model, space, prefix, chosen, later, sooner)
 
 
 def _strided(a: np.ndarray, offset: int, shape: tuple[int, ...], steps: tuple[int, ...]) -> np.ndarray:
