@@ -257,7 +257,6 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
     levels_ = np.arange(M)
     leaf_cost = np.where(model.redo, bl.fwd, 0.0)
 
-
     def band(a: np.ndarray, width: int) -> np.ndarray:
         """a[s, s + width] for every s, in place: (L - width, M) at a regular stride (L - width for 2-D a)."""
         return _strided(a, width, (L - width,), (L + 1,))

@@ -395,6 +395,7 @@ def make_solution(problem: Problem, schedule: list[int], solver: str, gap: float
 # Plans and their staged schedules
 
 SHORT, DROP, REUSE, HOLD = 0, 1, 2, 3
+SHORT_REACH = 2
 
 
 class Plan(tuple):
@@ -407,8 +408,6 @@ class Plan(tuple):
         if cached is None:
             cached = self.__dict__["hash"] = tuple.__hash__(self)
         return cached
-
-SHORT_REACH = 2
 
 
 def plan_entry(n: int, horizon: int, reuse_from: int) -> int:
@@ -438,9 +437,9 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
     movable_reads, movable_ops = problem.movable_reads, problem.movable_ops
     # good[i]: the last stage at which op i's latest copy serves a reader. Its first run serves up to its horizon;
     # a copy recomputed at stage t serves to the end if t is at or after the op's reuse stage, else stage t alone.
-    # Only movable ops are ever missing: an op that runs once is where it was left from its stage on. It is kept
-    # as served[i], a number that stage t finds below t * (n + 1) exactly when t > good[i]: the plan entry itself
-    # at first (its reuse stage is below n + 1), good[i] * (n + 1) once recomputed; so no entry is split up front.
+    # Only movable ops are ever missing: an op that runs once is where it was left from its stage on. good[i] is
+    # kept as served[i], a number below t * (n + 1) exactly when t > good[i]: at first the plan entry itself
+    # (horizon * (n + 1) plus a reuse stage below n + 1), then good[i] * (n + 1); so no entry is split up front.
     stride = n + 1
     served = list(plan)
     # while no horizon ends inside the forward region, its ops run alone in order (every input where it was left)
