@@ -23,16 +23,19 @@ own memory model, which counts only the bytes above (not gradients or working me
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
-from .problem import Problem, crossings, plan_entry, profile
+from .problem import Plan, Problem, crossings, plan_entry, profile
 
 MAX_BLOCKS = 100  # more narrow points than this are merged into this many blocks (the table is cubic in it)
 LEVELS = 240  # memory levels of the table
+# sums per range the table may search for the choices of a width; past that they are left to `Table.choice`, which
+# costs about that much per range it is asked for
+CHOICE_WORK = 1000
 
 
 @dataclass
@@ -93,7 +96,7 @@ def blocks(problem: Problem, max_blocks: int = MAX_BLOCKS) -> Blocks | None:
     # reads an earlier block's. (The static bytes are outside the table's memory.)
     during = profile(Problem([0 if m else b for m, b in zip(movable, size)], problem.cost, problem.inputs,
                              problem.recomputable, problem.keep, scratch=problem.scratch), problem.baseline).during
-    first_read = [min((u for u in users[i] if u >= end), default=problem.n) for i in range(problem.n)]
+    first_read = problem.first_backward_read
     anchor = [min((first_read[i] for i in ops[k] + (cross[k - 1] if k else [])), default=problem.n)
               for k in range(L)]
     need, redo, held, free = [], [], [], []
@@ -174,47 +177,55 @@ def _levels(unit: int):
 @dataclass
 class Workspace:
     """The arrays a table is computed in, allocated once for the tables of every model (fresh memory costs its
-    page faults every time): opt[s, t, m]; whether block s keeps what its backward reads there (`kept`); opt
-    shifted by what crosses into block s (`later`) and by what block t holds on (`sooner`); a scratch buffer."""
+    page faults every time): opt[s, t, m]; whether block s keeps what its backward reads there (`kept`) and
+    otherwise the block j whose incoming values are held (`choice`, -1 where kept); opt shifted by what crosses
+    into block s (`later`) and by what block t holds on (`sooner`); a scratch buffer."""
 
     opt: np.ndarray
     kept: np.ndarray
+    choice: np.ndarray
     later: np.ndarray
     sooner: np.ndarray
     total: np.ndarray
 
     @classmethod
     def of(cls, L: int, M: int) -> "Workspace":
-        return cls(np.empty((L, L, M)), np.empty((L, L, M), dtype=bool), np.empty((L, L, M)), np.empty((L, L, M)),
-                   np.empty(L * L * M // 4 + L * M))
+        return cls(np.empty((L, L, M)), np.empty((L, L, M), dtype=bool),
+                   np.empty((L, L, M), dtype=np.int16 if L < 2**15 else np.int64), np.empty((L, L, M)),
+                   np.empty((L, L, M)), np.empty(L * L * M // 4 + L * M))
 
 
 @dataclass
 class Table:
     """opt[s, t, m] of one model over M memory levels, and the choice made at each (-1: block s keeps what its
-    backward reads; j: hold what crosses into block j), worked out per range (s, t) when a plan's recursion
-    first visits it. In opt[s, t, m], what crosses into block s and what the model's `held` says of block t's
-    end are held by the caller, outside m. It reads its workspace: valid until that computes another table."""
+    backward reads; j: hold what crosses into block j). In opt[s, t, m], what crosses into block s and what the
+    model's `held` says of block t's end are held by the caller, outside m. It reads its workspace: valid until
+    that computes another table."""
 
     blocks: Blocks
     model: Model
     space: Workspace
     prefix: np.ndarray  # forward cost of blocks 0..k-1 at k
-    rows: dict[tuple[int, int], np.ndarray]
+    chosen: np.ndarray  # per width, whether `space.choice` holds its choices
+    later: np.ndarray  # opt shifted by what crosses into block s: `space.later`, or opt where nothing shifts it
+    sooner: np.ndarray  # opt shifted by what block t holds on: `space.sooner`, or opt where nothing shifts it
 
     @property
     def opt(self) -> np.ndarray:
         return self.space.opt
 
     def choice(self, s: int, t: int) -> np.ndarray:
-        """The choice at (s, t) for every level: the first j of least cost, from the same sums in the same
-        order as the table's minimum."""
-        row = self.rows.get((s, t))
-        if row is None:
-            space, prefix = self.space, self.prefix
-            total_ = (prefix[s + 1:t + 1] - prefix[s])[:, None] + space.later[s + 1:t + 1, t]
-            total_ += space.sooner[s, s:t]
-            row = self.rows[s, t] = np.where(space.kept[s, t], -1, np.argmin(total_, axis=0) + s + 1)
+        """The choice at (s, t) for every level: -1, or the first j of least cost. The table works out the
+        choices of the widths where few levels hold something; the others are worked out here, for the ranges a
+        plan's recursion visits, from the same sums in the same order as the table's minimum."""
+        if self.chosen[t - s]:
+            return self.space.choice[s, t]
+        prefix = self.prefix
+        total_ = self.later[s + 1:t + 1, t] + (prefix[s + 1:t + 1] - prefix[s])[:, None]
+        total_ += self.sooner[s, s:t]
+        row = total_.argmin(axis=0)
+        row += s + 1
+        row[self.space.kept[s, t]] = -1
         return row
 
 
@@ -230,78 +241,116 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
     keep_u, cross_u, held_u, free_u = (np.asarray(x) for x in (model.keep, model.cross, model.held, model.free))
     need_u = np.asarray(model.need)
     inf = math.inf
-    opt, later, sooner = space.opt, space.later, space.sooner
-    for a in (opt, later, sooner):
+    # later[j, t] = opt[j, t] shifted by what crosses into block j: the memory left when that is held;
+    # sooner[s, t] = opt[s, t] shifted by what block t holds on from the sweep that made it. Where nothing shifts
+    # it (no bytes cross, or none are held on), it is opt itself, read in place
+    crossing_in = np.concatenate([[0], cross_u[:-1]]).astype(int)
+    opt = space.opt
+    later = space.later if crossing_in.any() else opt
+    sooner = space.sooner if held_u.any() else opt
+    for a in {id(a): a for a in (opt, later, sooner)}.values():
         a.fill(inf)
     space.kept.fill(True)
+    space.choice.fill(-1)
+    chosen = np.ones(L, dtype=bool)
     prefix = _prefix(bl)
     levels_ = np.arange(M)
     leaf_cost = np.where(model.redo, bl.fwd, 0.0)
 
-    # later[j, t] = opt[j, t] shifted by what crosses into block j: the memory left when that is held;
-    # sooner[s, t] = opt[s, t] shifted by what block t holds on from the sweep that made it
-    crossing_in = np.concatenate([[0], cross_u[:-1]]).astype(int)
-
     def band(a: np.ndarray, width: int) -> np.ndarray:
-        """a[s, s + width] for every s, in place: (L - width, M) at a regular stride."""
-        return as_strided(a[0, width], shape=(L - width, M), strides=(a.strides[0] + a.strides[1], a.strides[2]))
+        """a[s, s + width] for every s, in place: (L - width, M) at a regular stride (L - width for 2-D a)."""
+        return _strided(a, width, (L - width,), (L + 1,))
+
+    def pairs(a: np.ndarray, width: int, later_side: bool) -> np.ndarray:
+        """For j = s+1+i, i in 0..width-1: a[j, s + width] (`later_side`) or a[s, j - 1], as an (L - width, width)
+        view over s and i, for 2-D or 3-D a."""
+        if later_side:
+            return _strided(a, L + width, (L - width, width), (L + 1, L))
+        return _strided(a, 0, (L - width, width), (L + 1, 1))
+
+    def groups(by: np.ndarray) -> list[tuple[int, np.ndarray, list[int]]]:
+        """The positions of each distinct value of `by`, in increasing order (as an array and as a list)."""
+        return [(c, where, where.tolist()) for c in np.unique(by).tolist() for where in [np.flatnonzero(by == c)]]
+
+    # later[s, s + width] is shifted by crossing_in[s], sooner[s, s + width] by held_u[s + width]
+    shifted_copies = [(a, groups(by), offset) for a, by, offset in ((later, crossing_in, 0), (sooner, held_u, 1))
+                      if a is not opt]
 
     def settle(width: int) -> None:
         ranges = band(opt, width)
-        for shifted, by in ((band(later, width), crossing_in[:L - width]), (band(sooner, width), held_u[width:])):
-            # a few distinct shifts (one on a uniform chain): the rows of each are copied as slices
-            for c in np.unique(by).tolist():
-                rows = slice(None) if by[0] == by[-1] == c and (by == c).all() else np.flatnonzero(by == c)
-                if c < M:
-                    shifted[rows, c:] = ranges[rows, :M - c]
+        S = L - width
+        for copy, by_value, offset in shifted_copies:
+            shifted, offset = band(copy, width), offset * width
+            # a few distinct shifts (one or two on a uniform chain): the rows of each, as a slice where they run
+            # on without a gap
+            for c, where, listed in by_value:
+                lo, hi = bisect.bisect_left(listed, offset), bisect.bisect_left(listed, S + offset)
+                if c >= M or lo == hi:
+                    continue
+                if listed[hi - 1] - listed[lo] == hi - 1 - lo:
+                    rows = slice(listed[lo] - offset, listed[hi - 1] - offset + 1)
+                else:
+                    rows = where[lo:hi] - offset
+                shifted[rows, c:] = ranges[rows, :M - c]
 
     # Along the levels every entry is infinite below its first finite level (`lowest`) and constant from its
     # `settled` level up; a range's entries are bounded by those of the entries they are made of, so each width is
     # computed over the levels between the least first finite level and the greatest settled one, and the level
-    # above them repeat the top computed one (the same sums, so the same table, about half the work).
-    lowest_of = np.full((L, L), M)
-    settled_of = np.zeros((L, L), dtype=int)
+    # above them repeat the top computed one (the same sums, so the same table, about half the work). Both are
+    # kept shifted as `later` and `sooner` are, and as they are for the last width computed.
+    lowest_later = np.full((L, L), M) + crossing_in[:, None]
+    settled_later = np.zeros((L, L), dtype=int) + crossing_in[:, None]
+    lowest_sooner = np.full((L, L), M) + held_u[None, :]
+    settled_sooner = np.zeros((L, L), dtype=int) + held_u[None, :]
 
-    def bounds(width: int) -> None:
+    def bounds(width: int, first: int = 0, last: int = M - 1) -> tuple[np.ndarray, np.ndarray]:
+        """The first finite level and the settled level of each range of a width, from its levels first..last:
+        below them every entry is infinite, above them each repeats the one at `last`."""
         ranges = band(opt, width)
-        s = np.arange(L - width)
-        finite = np.isfinite(ranges)
-        lowest_of[s, s + width] = np.where(finite.any(axis=1), finite.argmax(axis=1), M)
-        moving = ranges != ranges[:, -1:]
-        settled_of[s, s + width] = np.where(moving.any(axis=1), M - moving[:, ::-1].argmax(axis=1), 0)
+        window = ranges[:, first:last + 1]
+        finite = np.isfinite(window)
+        lowest = np.where(finite.any(axis=1), finite.argmax(axis=1) + first, M)
+        moving = window != ranges[:, last:last + 1]
+        # an entry finite at the top and the same all through the window moves just below it (infinite there)
+        settled = np.where(moving.any(axis=1), last + 1 - moving[:, ::-1].argmax(axis=1),
+                           np.where(finite[:, -1], first, 0))
+        S = L - width
+        band(lowest_later, width)[:] = lowest + crossing_in[:S]
+        band(settled_later, width)[:] = settled + crossing_in[:S]
+        band(lowest_sooner, width)[:] = lowest + held_u[width:]
+        band(settled_sooner, width)[:] = settled + held_u[width:]
+        return lowest, settled
 
     for s in range(L):
         if model.leaf[s] < M:
             opt[s, s, model.leaf[s]:] = leaf_cost[s]
     settle(0)
-    bounds(0)
-    item = opt.itemsize
+    lowest_of, settled_of = bounds(0)  # of the ranges one narrower than those being computed
     for width in range(1, L):
         S = L - width
-        s = np.arange(S)
-        t = s + width
-        j = s[:, None] + 1 + np.arange(width)[None, :]
         # block s runs for good: what it keeps is held, what crosses into it is dead unless read later
-        k = keep_u[s]
-        lowest = np.maximum(k, need_u[s] - held_u[t] - free_u[s])
-        first = min(int(np.maximum(lowest, lowest_of[s + 1, t] + k - free_u[s]).min()),
-                    int(np.maximum(lowest_of[j, t[:, None]] + crossing_in[j], lowest_of[s[:, None], j - 1]
-                                   + held_u[j - 1]).min()))
+        k = keep_u[:S]
+        kept_less_free = k - free_u[:S]
+        lowest = np.maximum(k, need_u[:S] - held_u[width:] - free_u[:S])
+        first = min(int(np.maximum(lowest, lowest_of[1:] + kept_less_free).min()),
+                    int(np.maximum(pairs(lowest_later, width, True), pairs(lowest_sooner, width, False)).min()))
         if first >= M:
-            continue  # nothing of this width fits in memory: infinite, as filled
-        last = min(M - 1, max(first, int(np.maximum(lowest, settled_of[s + 1, t] + k - free_u[s]).max()),
-                              int((settled_of[j, t[:, None]] + crossing_in[j]).max()),
-                              int((settled_of[s[:, None], j - 1] + held_u[j - 1]).max())))
+            # nothing of this width fits in memory: infinite, as filled
+            lowest_of, settled_of = np.full(S, M), np.zeros(S, dtype=int)
+            continue
+        last = min(M - 1, max(first, int(np.maximum(lowest, settled_of[1:] + kept_less_free).max()),
+                              int(pairs(settled_later, width, True).max()),
+                              int(pairs(settled_sooner, width, False).max())))
         at = levels_[first:last + 1]
-        reads = np.minimum(at[None, :] - k[:, None] + free_u[s][:, None], M - 1)
-        runs = bl.fwd[s][:, None] + np.take_along_axis(band(opt, width - 1)[1:], np.clip(reads, 0, M - 1), axis=1)
+        reads = np.minimum(at[None, :] - k[:, None] + free_u[:S, None], M - 1)
+        runs = bl.fwd[:S, None] + band(opt, width - 1)[1:][np.arange(S)[:, None], np.maximum(reads, 0)]
         best = np.where(at[None, :] >= lowest[:, None], runs, inf)
         # hold what crosses into block j = s+1+i, for every i in 0..width-1 at once: later[s+1+i, s+width] and
         # sooner[s, s+i] lie at regular strides over (s, i, level), so they are read in place
-        on_later = as_strided(later[1:, width:], shape=(S, width, M), strides=((L + 1) * M * item, L * M * item, item))
-        on_sooner = as_strided(sooner, shape=(S, width, M), strides=((L + 1) * M * item, M * item, item))
+        on_later, on_sooner = pairs(later, width, True), pairs(sooner, width, False)
+        forward = _strided(prefix, 1, (S, width), (1, 1)) - prefix[:S, None]  # prefix[j] - prefix[s]
         total_ = space.total[:S * width * len(at)].reshape(S, width, len(at))
-        np.add((prefix[j] - prefix[s][:, None])[:, :, None], on_later[:, :, first:last + 1], out=total_)
+        np.add(forward[:, :, None], on_later[:, :, first:last + 1], out=total_)
         np.add(total_, on_sooner[:, :, first:last + 1], out=total_)
         value = total_.min(axis=1)
         with np.errstate(invalid="ignore"):
@@ -311,9 +360,28 @@ def table(bl: Blocks, model: Model, M: int, space: Workspace | None = None) -> T
         ranges[:, last + 1:] = ranges[:, last:last + 1]
         kept[:, first:last + 1] = ~better
         kept[:, last + 1:] = kept[:, last:last + 1]
+        # where holding what crosses into some block beats keeping block s: the first j of least cost, found
+        # here unless that takes longer than finding it for each range (of this width) on its own
+        starts, at_level = np.nonzero(better)
+        chosen[width] = len(starts) * width <= CHOICE_WORK * S
+        if len(starts) and chosen[width]:
+            picks = band(space.choice, width)
+            picks[starts, at_level + first] = starts + 1 + total_[starts, :, at_level].argmin(axis=1)
+            picks[:, last + 1:] = picks[:, last:last + 1]
         settle(width)
-        bounds(width)
-    return Table(bl, model, space, prefix, {})
+        lowest_of, settled_of = bounds(width, first, last)
+    return Table(bl, model, space, prefix, chosen, later, sooner)
+
+
+def _strided(a: np.ndarray, offset: int, shape: tuple[int, ...], steps: tuple[int, ...]) -> np.ndarray:
+    """A view of contiguous `a` as rows of its first two axes flattened: starting at row `offset`, `steps` rows
+    apart along each axis of `shape`, each row whole (the remaining axes of a). A constructor call, about ten
+    times cheaper than `as_strided`, which the table makes thousands of times."""
+    strides = a.strides
+    row = strides[1] if len(strides) > 1 else strides[0]
+    if len(steps) == 1:
+        return np.ndarray(shape + a.shape[2:], a.dtype, a, offset * row, (steps[0] * row,) + strides[2:])
+    return np.ndarray(shape + a.shape[2:], a.dtype, a, offset * row, (steps[0] * row, steps[1] * row) + strides[2:])
 
 
 def plans(problem: Problem, max_blocks: int = MAX_BLOCKS, levels: int = LEVELS) -> list[tuple[int, ...]]:
@@ -343,12 +411,12 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
     n, last_forward = problem.n, problem.forward_end - 1
     hold = plan_entry(n, n, 0)
     base = [hold if not m else plan_entry(n, last_forward, n) for m in problem.movable]
-    end = problem.forward_end
-    first_read = [min((u for u in problem.users[i] if u >= end), default=n) for i in range(n)]
+    first_read = problem.first_backward_read
     found: dict[tuple[int, ...], None] = {}
     walks: set[tuple] = set()
-    inner_stage: dict[tuple[int, int], int] = {}
-    rows: dict[tuple[int, int], list[int]] = {}
+    inner_stage: dict[int, list[int]] = {}  # per j, by s
+    ops, cross = bl.ops, bl.cross
+    rows: list[list[int] | None] = [None] * (L * L)  # the choice row of (s, t) at s * L + t, once visited
     finite = np.isfinite(opt[0, L - 1]).tolist()
     for m in range(opt.shape[2]):
         if not finite[m]:
@@ -357,28 +425,34 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
         # its walk, (block, the block whose incoming values are held or -1, stage) per step, is all a plan
         # depends on, so levels that recurse alike give their plan once
         walk = []
+        append = walk.append
         stack = [(0, L - 1, m, None)]
         while stack:
             s, t, mem, stage = stack.pop()
-            if s < t:
-                row = rows.get((s, t))
-                if row is None:
-                    row = rows[s, t] = tab.choice(s, t).tolist()
-                j = row[mem]
-            else:
-                j = -1
-            walk.append((s, j, stage))
-            if j < 0:
+            # blocks that run keeping their values, one after another (each a step of the walk)
+            while True:
                 if s < t:
-                    stack.append((s + 1, t, min(mem - keep_u[s] + free_u[s], top), stage))
+                    row = rows[s * L + t]
+                    if row is None:
+                        row = rows[s * L + t] = tab.choice(s, t).tolist()
+                    j = row[mem]
+                else:
+                    j = -1
+                append((s, j, stage))
+                if j >= 0 or s >= t:
+                    break
+                mem = mem - keep_u[s] + free_u[s]
+                if mem > top:
+                    mem = top
+                s += 1
+            if j < 0:
                 continue
             # blocks s..j-1 are reversed from the first stage that reads one of their values other than what
             # crosses into block j (held for blocks j..t, so still there)
-            inner = inner_stage.get((s, j))
-            if inner is None:
-                right = set(bl.cross[j - 1])
-                inner = inner_stage[s, j] = min((first_read[i] for k in range(s, j) for i in bl.ops[k]
-                                                 if i not in right), default=n)
+            reads_from = inner_stage.get(j)
+            if reads_from is None:
+                reads_from = inner_stage[j] = _first_reads(bl, first_read, j, n)
+            inner = reads_from[s]
             # popped last-in first-out: blocks j..t are reversed first, then s..j-1 from the stage they start at
             stack.append((s, j - 1, mem - held_u[j - 1], inner))
             stack.append((j, t, mem - cross_u[j - 1], stage))
@@ -386,21 +460,32 @@ def _plans(problem: Problem, tab: Table) -> list[tuple[int, ...]]:
         if walk in walks:
             continue
         walks.add(walk)
+        # an op takes the entry of the first step that stores it: the steps are stored last to first, each
+        # overwriting what later ones stored (a block's kept values are among its ops)
         entries = list(base)
-        assigned = [False] * n
-
-        def store(ops, entry):
-            for i in ops:
-                if not assigned[i]:
-                    assigned[i] = True
-                    entries[i] = entry
-
-        for s, j, stage in walk:
+        for s, j, stage in reversed(walk):
             entry = hold if stage is None else plan_entry(n, last_forward, int(stage))
             if j < 0:
-                store(bl.ops[s] if stage is None else bl.kept[s] + bl.ops[s], entry)
-                store(bl.cross[s], entry)
+                for i in cross[s]:
+                    entries[i] = entry
+                for i in ops[s]:
+                    entries[i] = entry
             else:
-                store(bl.cross[j - 1], entry)
-        found[tuple(entries)] = None
+                for i in cross[j - 1]:
+                    entries[i] = entry
+        found[Plan(entries)] = None
     return list(found)
+
+
+def _first_reads(bl: Blocks, first_read: list[int], j: int, n: int) -> list[int]:
+    """For every s < j, the first stage that reads a value of blocks s..j-1 other than what crosses into block j
+    (n: none): the stage from which blocks s..j-1 are reversed once j.. have been."""
+    right = set(bl.cross[j - 1])
+    least = [n] * j
+    running = n
+    for k in range(j - 1, -1, -1):
+        for i in bl.ops[k]:
+            if i not in right and first_read[i] < running:
+                running = first_read[i]
+        least[k] = running
+    return least

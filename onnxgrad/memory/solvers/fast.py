@@ -12,9 +12,12 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
+
 from . import dp
 from .front import Front, OutOfWork, Pool
 from .problem import DROP, HOLD, REUSE, Problem, build_schedule, floor, plan_entry, plan_of_classes
+
 
 def segment_plan(problem: Problem, outer: int | None, inner: int | None, held_tail: float = 0.0
                   ) -> tuple[int, ...]:
@@ -25,28 +28,24 @@ def segment_plan(problem: Problem, outer: int | None, inner: int | None, held_ta
     of the cuts: for budgets between Chen's and store-all, the top of the network is cheaper to hold than to
     recompute. `outer` None: no checkpoint is held at all, every value is recomputed from the graph's inputs
     (for budgets under which nothing may stay alive across the forward's widest op)."""
-    cuts, crossing = problem.cuts
-    n = problem.n
-    classes = [HOLD] * n
-    movable = problem.movable
-    for i in range(n):
-        if movable[i]:
-            classes[i] = REUSE if inner is None else DROP
+    cuts = problem.cuts[0]
+    movable = problem.arrays.movable
+    classes = np.where(movable, REUSE if inner is None else DROP, HOLD)
     count = len(cuts)
     if count == 0:
         return plan_of_classes(problem, classes)
     tail = cuts[max(0, min(count - outer, int(count * (1 - held_tail))))] if outer else problem.n
-    for j in range(count):
-        level = (HOLD if outer and (j + 1) % outer == 0 else
-                 REUSE if inner is not None and (j + 1) % inner == 0 else None)
-        if level is None:
-            continue
-        for i in crossing[j]:
-            if movable[i]:
-                classes[i] = max(classes[i], level)
-    for i in range(n):
-        if movable[i] and i >= tail:
-            classes[i] = HOLD if classes[i] == REUSE or inner is None else classes[i]
+    # what crosses every inner-th cut is reused, every outer-th held (a cut that is both is held)
+    values = problem.cut_values
+    if inner is not None:
+        reused = values[inner - 1::inner].ravel()
+        classes[reused[reused >= 0]] = np.maximum(classes[reused[reused >= 0]], REUSE)
+    if outer:
+        held = values[outer - 1::outer].ravel()
+        classes[held[held >= 0]] = HOLD
+    top = movable.copy()
+    top[:tail] = False
+    classes[top if inner is None else top & (classes == REUSE)] = HOLD
     return plan_of_classes(problem, classes)
 
 

@@ -21,6 +21,7 @@ recomputed, then kept from the stage whose backward sweep stores it), which the 
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -30,7 +31,7 @@ import numpy as np
 @dataclass(frozen=True)
 class Arrays:
     """A problem's reads (each op's distinct reads, flattened: op i reads read_ops[read_start[i]:][:read_count[i]]),
-    sizes, scratch bytes, kept ops and costs, as numpy arrays."""
+    sizes, scratch bytes (and whether any op has some), kept ops, costs and movable ops, as numpy arrays."""
 
     read_count: np.ndarray
     read_start: np.ndarray
@@ -39,6 +40,8 @@ class Arrays:
     scratch: np.ndarray
     keep: np.ndarray
     cost: np.ndarray
+    movable: np.ndarray
+    has_scratch: bool
 
 
 @dataclass(eq=False)
@@ -89,7 +92,8 @@ class Problem:
         flat = np.fromiter((i for r in reads for i in r), dtype=np.int64, count=int(count.sum()))
         return Arrays(count, start, flat, np.asarray(self.size, dtype=np.int64),
                       np.asarray(self.scratch, dtype=np.int64), np.asarray(sorted(self.keep), dtype=np.int64),
-                      np.asarray(self.cost, dtype=float))
+                      np.asarray(self.cost, dtype=float), np.asarray(self.movable, dtype=bool),
+                      any(self.scratch))
 
     @cached_property
     def movable_ops(self) -> list[int]:
@@ -137,6 +141,16 @@ class Problem:
         return last + 1
 
     @cached_property
+    def first_backward_read(self) -> list[int]:
+        """Per op, its first reader at or after `forward_end` (n: none)."""
+        end, n = self.forward_end, self.n
+        first = []
+        for readers in self.users:
+            k = bisect.bisect_left(readers, end)
+            first.append(readers[k] if k < len(readers) else n)
+        return first
+
+    @cached_property
     def forward_cost(self) -> float:
         """Cost of one run of every movable op: the unit of `extra forward passes`."""
         return float(sum(c for c, m in zip(self.cost, self.movable) if m))
@@ -145,6 +159,17 @@ class Problem:
     def cuts(self) -> tuple[list[int], list[list[int]]]:
         """The forward region's narrow points: see `narrow_points`."""
         return narrow_points(self)
+
+    @cached_property
+    def cut_values(self) -> np.ndarray:
+        """What crosses each narrow point of `cuts` that is movable, one row per point, padded with -1."""
+        crossing = self.cuts[1]
+        movable = self.movable
+        rows = [[i for i in c if movable[i]] for c in crossing]
+        table = np.full((len(rows), max(map(len, rows), default=0)), -1, dtype=np.int64)
+        for j, row in enumerate(rows):
+            table[j, :len(row)] = row
+        return table
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -192,7 +217,7 @@ def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.nda
     """The schedule as an array, and the live bytes after and during each step (see `profile`)."""
     length = len(schedule)
     arrays = problem.arrays
-    ops = np.array(schedule, dtype=np.int64)
+    ops = np.fromiter(schedule, dtype=np.int64, count=length)
     positions = np.arange(length, dtype=np.int64)
     # every read: (position of the reader, op read), in schedule order
     count = arrays.read_count[ops]
@@ -215,9 +240,13 @@ def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.nda
     size = arrays.size[ops]
     freed = np.zeros(length + 1, dtype=np.int64)
     np.add.at(freed, end, size)
-    allocated = np.cumsum(size) + problem.static_bytes
-    live_after = allocated - np.cumsum(freed[:length])
-    during = np.concatenate(([problem.static_bytes], live_after[:-1])) + size + arrays.scratch[ops]
+    freed = freed[:length]
+    live_after = np.cumsum(size - freed)
+    live_after += problem.static_bytes
+    # while a step runs, what it frees right after it is still live
+    during = live_after + freed
+    if arrays.has_scratch:
+        during += arrays.scratch[ops]
     return ops, live_after, during
 
 
@@ -369,24 +398,33 @@ SHORT, DROP, REUSE, HOLD = 0, 1, 2, 3
 SHORT_REACH = 2
 
 
+class Plan(tuple):
+    """A plan (a tuple of entries) that computes its hash once: a plan of a large graph has tens of thousands of
+    entries, and the solvers use it as a dictionary key several times over. Equal to, and hashed as, the plain
+    tuple of the same entries."""
+
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("hash")
+        if cached is None:
+            cached = self.__dict__["hash"] = tuple.__hash__(self)
+        return cached
+
+
 def plan_entry(n: int, horizon: int, reuse_from: int) -> int:
     """One op's plan entry in a problem of n ops (horizon and reuse stage in 0..n; n: the end)."""
     return horizon * (n + 1) + reuse_from
 
 
-def plan_of_classes(problem: Problem, classes: list[int]) -> tuple[int, ...]:
+def plan_of_classes(problem: Problem, classes: list[int] | np.ndarray) -> tuple[int, ...]:
     """The plan of one named class per op (ignored for ops that are not movable)."""
     n, last_forward = problem.n, problem.forward_end - 1
-    hold = plan_entry(n, n, 0)
-    entries = []
-    for i, c in enumerate(classes):
-        if not problem.movable[i] or c == HOLD:
-            entries.append(hold)
-        elif c == SHORT:
-            entries.append(plan_entry(n, min(last_forward, i + SHORT_REACH), n))
-        else:
-            entries.append(plan_entry(n, last_forward, 0 if c == REUSE else n))
-    return tuple(entries)
+    classes = np.asarray(classes)
+    index = np.arange(n, dtype=np.int64)
+    entries = np.where(classes == REUSE, plan_entry(n, last_forward, 0), plan_entry(n, last_forward, n))
+    short = classes == SHORT
+    entries[short] = plan_entry(n, np.minimum(last_forward, index[short] + SHORT_REACH), n)
+    entries[(classes == HOLD) | ~problem.arrays.movable] = plan_entry(n, n, 0)
+    return Plan(entries.tolist())
 
 
 def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
@@ -399,20 +437,23 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
     movable_reads, movable_ops = problem.movable_reads, problem.movable_ops
     # good[i]: the last stage at which op i's latest copy serves a reader. Its first run serves up to its horizon;
     # a copy recomputed at stage t serves to the end if t is at or after the op's reuse stage, else stage t alone.
-    # Only movable ops are ever missing: an op that runs once is where it was left from its stage on.
-    good = [n] * n
-    reuse_from = [0] * n
+    # Only movable ops are ever missing: an op that runs once is where it was left from its stage on. good[i] is
+    # kept as served[i], a number below t * (n + 1) exactly when t > good[i]: at first the plan entry itself
+    # (horizon * (n + 1) plus a reuse stage below n + 1), then good[i] * (n + 1); so no entry is split up front.
     stride = n + 1
-    for i in movable_ops:
-        good[i], reuse_from[i] = divmod(plan[i], stride)
+    served = list(plan)
     # while no horizon ends inside the forward region, its ops run alone in order (every input where it was left)
-    start = problem.forward_end if min((good[i] for i in movable_ops), default=n) >= problem.forward_end - 1 else 0
+    start = problem.forward_end
+    if movable_ops and min(map(served.__getitem__, movable_ops)) < (start - 1) * stride:
+        start = 0
     schedule = list(range(start))
     append, extend = schedule.append, schedule.extend
+    held = n * stride
     for t in range(start, n):
+        now = t * stride
         # most ops find every input where it was left: they run alone, with no search for what to recompute
         for i in movable_reads[t]:
-            if t > good[i]:
+            if now > served[i]:
                 break
         else:
             append(t)
@@ -422,9 +463,9 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
         need = [t]
         for k in need:
             for i in movable_reads[k]:
-                if t <= good[i]:
+                if now <= served[i]:
                     continue
-                good[i] = n if t >= reuse_from[i] else t
+                served[i] = held if t >= plan[i] % stride else now
                 need.append(i)
         need.sort()
         extend(need)
