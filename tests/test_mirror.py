@@ -239,6 +239,31 @@ def test_simulated_peak_matches_the_measured_one(tmp_path, mirror):
     assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
 
 
+@pytest.mark.parametrize("reader", ["MatMul", "Gemm", "output"])
+def test_a_transpose_folded_into_its_matmul_is_never_allocated(tmp_path, reader):
+    """y = x @ W^T with W a 16 MiB input: onnxruntime folds the Transpose into the MatMul (or the Gemm), so the
+    transposed W is never allocated, and the simulator does not count it; a Transpose whose result is also a graph
+    output is made, and counted."""
+    nodes = [h.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0], name="t")]
+    nodes += [h.make_node("Gemm" if reader == "Gemm" else "MatMul", ["x", "Wt"], ["y"], name="mm")]
+    outputs = [h.make_tensor_value_info("y", TensorProto.FLOAT, [256, 2048])]
+    if reader == "output":
+        outputs.append(h.make_tensor_value_info("Wt", TensorProto.FLOAT, [2048, 2048]))
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", TensorProto.FLOAT, [256, 2048]),
+                                  h.make_tensor_value_info("W", TensorProto.FLOAT, [2048, 2048])],
+                     outputs)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 18)], ir_version=8)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    graph = from_model(model)
+    type_everything(graph)
+    predicted = simulate(graph).dynamic_peak
+    measured = measure(path, level="ALL")["peak_bytes"]
+    transposed = 2048 * 2048 * 4
+    assert abs(measured - predicted) <= 0.1 * predicted, (measured, predicted)
+    assert (predicted > transposed) == (measured > transposed) == (reader == "output"), (measured, predicted)
+
+
 # -- the command line ----------------------------------------------------------------------------------------
 def test_mirror_command_writes_the_plan_and_refuses_unknown_sizes(tmp_path, capfd):
     model = tmp_path / "m.onnx"
