@@ -8,6 +8,7 @@ from onnx import TensorProto
 GRAD_SUFFIX = "_grad"        # `<x>_grad`: the gradient output of x; `<y>_grad`: the seed input of a non-scalar head
 NEXT_SUFFIX = ".next"        # `<state>.next`: the output that replaces a state input after one step
 MIRROR_SUFFIX = "_mirror"    # `<node>_mirror`: a recomputed copy of a forward node
+SEED_TIE = "after_loss"      # `<seed>/after_loss/...`: the nodes that make the backward's seed wait for the loss
 LR_INPUT = "lr"              # the optional learning-rate input of a step graph
 LOSS_SCALE_INPUT = "loss_scale"  # mixed precision: the factor the loss is scaled by (state of a step graph)
 

@@ -111,3 +111,21 @@ def test_the_backward_runs_after_the_loss_as_onnxruntime_orders_it(tmp_path):
     early = [name for name in ran[:loss_at] if phases.get(name) == "backward" and name in large]
     assert not early, early[:5]
     assert any(phases.get(name) == "backward" and name in large for name in ran[loss_at:])
+
+
+def test_the_seed_is_tied_once_and_onnxruntime_keeps_the_tie(tmp_path):
+    """A training graph taken up again (mirror on build-grad's output) keeps its one tie; tying the tied seed
+    again made a chain onnxruntime folded into a constant, and GPT-2's gradient then ran before its loss."""
+    train = tmp_path / "train.onnx"
+    onnx.save(onnxgrad.build_gradient(tied_head_model()), train)
+    mirrored = onnxgrad.build(str(train), mirror="mxnet").model
+    ties = [n for n in mirrored.graph.node if "/after_loss/" in n.name and n.op_type == "Reshape"
+            and any(i.startswith("seed/") and "/after_loss/" not in i for i in n.input)]
+    assert len(ties) == 1
+    path, optimized = tmp_path / "mirrored.onnx", tmp_path / "optimized.onnx"
+    onnx.save(mirrored, path)
+    so, extra = session_options(mirrored, 1)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = str(optimized)
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"], **extra)
+    assert ties[0].name in {n.name for n in onnx.load(optimized).graph.node}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from .. import loader, registry
-from ..contract import FORWARD, GRAD_SUFFIX, LOSS_KEY, LOSS_SCALE_INPUT, OPTIMIZER_KEY, PHASES_KEY, PRECISION_KEY
+from ..contract import (FORWARD, GRAD_SUFFIX, LOSS_KEY, LOSS_SCALE_INPUT, OPTIMIZER_KEY, PHASES_KEY, PRECISION_KEY,
+                        SEED_TIE)
 from ..errors import UsageError
 from ..fold import fold_to_fixed_point
 from ..ir import from_model
@@ -90,7 +91,8 @@ class Adopt(Pass):
         build.heads = [outputs[h] for h in heads]
         # the seeds: a fed `<loss>_grad` input, or the constant 1 the gradient pass wrote as "seed/..."
         build.seeds = [v for v in graph.inputs if v.name in {h + GRAD_SUFFIX for h in heads}]
-        build.seeds += [o for n in graph.nodes if n.phase != FORWARD and n.name.startswith("seed/") for o in n.outputs]
+        build.seeds += [o for n in graph.nodes if n.phase != FORWARD and n.name.startswith("seed/")
+                        and f"/{SEED_TIE}/" not in n.name for o in n.outputs]
         if LOSS_SCALE_INPUT in graph.values and PRECISION_KEY in graph.metadata:  # the seed of a scaled loss
             build.seeds.append(graph.values[LOSS_SCALE_INPUT])
         names = [v.name[:-len(GRAD_SUFFIX)] for v in graph.outputs if v.name.endswith(GRAD_SUFFIX)]

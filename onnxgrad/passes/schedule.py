@@ -18,7 +18,7 @@ import heapq
 from onnx import TensorProto
 
 from ..builder import Builder
-from ..contract import BACKWARD, FORWARD, LOSS_KEY, RECOMPUTE, RUNTIME_HINTS
+from ..contract import BACKWARD, FORWARD, LOSS_KEY, RECOMPUTE, RUNTIME_HINTS, SEED_TIE
 from ..ir import Graph, Node, Value
 from ..memory.simulate import shares_buffer
 from ..pipeline import Build, Pass
@@ -123,8 +123,6 @@ def tie_seeds_to_loss(graph: Graph, seeds: list[Value], heads: list[Value], name
         graph.reorder([m for n in graph.nodes if id(n) not in emitted for m in before.get(id(n), []) + [n]])
     return tied
 
-
-SEED_TIE = "after_loss"
 
 
 def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
