@@ -166,16 +166,11 @@ class BudgetProblem:
         peak may change; the caller checks it on the graph."""
         schedule = solution.schedule
         first_backward = next((p for p, k in enumerate(schedule) if self.nodes[k].phase == BACKWARD), len(schedule))
-        seen: set[int] = set()
-        keep = [True] * len(schedule)
-        for p, k in enumerate(schedule):
-            if k in seen and p < first_backward:
-                keep[p] = False
-            seen.add(k)
-        inputs = self.problem.inputs
-        first_run = {}
+        first_run: dict[int, int] = {}
         for p, k in enumerate(schedule):
             first_run.setdefault(k, p)
+        keep = [p >= first_backward or first_run[k] == p for p, k in enumerate(schedule)]
+        inputs = self.problem.inputs
         while True:  # a dead copy can leave the copies it read dead in turn
             read: set[int] = set()        # ops a later kept copy or backward op reads the latest copy of
             dead = []

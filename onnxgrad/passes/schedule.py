@@ -110,8 +110,7 @@ def tie_seeds_to_loss(graph: Graph, seeds: list[Value], heads: list[Value], name
         zero = _zero_from(op, heads[0])
         for h in heads[1:]:
             zero = op.Add(zero, _zero_from(op, h))
-        tied_seed = op.Reshape(seed, op.Add(op.Shape(seed), zero))
-        tied_seed.elem_type, tied_seed.shape = seed.elem_type, seed.shape
+        tied_seed = _waiting(op, seed, zero)
         for n in users:
             for i, v in enumerate(n.inputs):
                 if v is seed:
@@ -122,7 +121,6 @@ def tie_seeds_to_loss(graph: Graph, seeds: list[Value], heads: list[Value], name
         emitted = {id(m) for ms in before.values() for m in ms}
         graph.reorder([m for n in graph.nodes if id(n) not in emitted for m in before.get(id(n), []) + [n]])
     return tied
-
 
 
 def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
@@ -164,12 +162,10 @@ def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
                 if id(source) not in zero_of:
                     zero_of[id(source)] = _zero_from(op, source)
                 if i is not None:
-                    x = node.inputs[i]
-                    node.set_input(i, op.Reshape(x, op.Add(op.Shape(x), zero_of[id(source)])))
+                    node.set_input(i, _waiting(op, node.inputs[i], zero_of[id(source)]))
                 else:
-                    i, x = 0, first
-                    node.set_input(0, op.Add(x, zero_of[id(source)]))
-                node.inputs[i].elem_type, node.inputs[i].shape = x.elem_type, x.shape
+                    node.set_input(0, op.Add(first, zero_of[id(source)]))
+                    node.inputs[0].elem_type, node.inputs[0].shape = first.elem_type, first.shape
                 order.extend(op.emitted)
                 tied += 1
         order.append(node)
@@ -197,6 +193,13 @@ def _large(node: Node) -> bool:
     """A node worth tying: an output of at least TIE_MIN_BYTES, or of a size not known statically."""
     sizes = [v.nbytes for v in node.outputs if v.name]
     return any(b is None or b >= TIE_MIN_BYTES for b in sizes)
+
+
+def _waiting(op: Builder, x: Value, zero: Value) -> Value:
+    """x read through Reshape(x, Shape(x) + zero): the same tensor in x's buffer, made only once `zero` exists."""
+    y = op.Reshape(x, op.Add(op.Shape(x), zero))
+    y.elem_type, y.shape = x.elem_type, x.shape
+    return y
 
 
 def _zero_from(op: Builder, g: Value) -> Value:
