@@ -376,7 +376,9 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
                 solution, plan, peak = tidied, tidy_plan, tidy_peak
         if wanted is None or peak <= wanted:
             break
-        target -= peak - wanted
+        # the offset between the problem's peak and the graph's is not the same at every plan: ask for a plan
+        # whose problem peak lies below this one's by the excess the graph showed
+        target = min(target, solution.peak) - (peak - wanted)
         solution = plan = None
     # MXNet's plan is one more candidate: on element-wise tails between heavy ops it is often the cheapest
     mxnet = mxnet_plan(graph, nbytes, MirrorFunction(graph, set(options.save)))
