@@ -142,29 +142,25 @@ def mib(n):
 
 
 def least_budget(train: Path, out: Path, report: Path) -> tuple[str | None, float]:
-    """The smallest budget the solver meets: the least peak it reports reaching (asked at the floor), rounded up
-    and raised in 1% steps until a plan fits."""
-    import re
+    """The smallest budget the solver meets: the least peak it reports reaching (asked at the floor, read from
+    the report in bytes), raised in 1% steps until a plan fits."""
     start = time.perf_counter()
-    sizes = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
-    def figure(text: str, pattern: str) -> float | None:
-        m = re.search(pattern + r" ([\d.]+) (KiB|MiB|GiB)", text)
-        return float(m.group(1)) * sizes[m.group(2)] if m else None
-
-    p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", "0.01x"))
-    floor = figure(p.stderr, "least peak any schedule can reach,")
-    if floor is None:
-        return None, time.perf_counter() - start
-    floor = int(floor * 1.001) + 1  # the message rounds the floor to 0.1 MiB
-    p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", str(floor), "--report", str(report)))
-    if p.returncode == 0:
-        return str(floor), time.perf_counter() - start
-    least = figure(p.stderr, "the least peak it reaches is") or floor
-    for k in range(1, 8):
-        budget = str(int(least * (1 + 0.01 * k)))
+    def mirror(budget: str) -> tuple[int, dict]:
         p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", budget, "--report", str(report)))
-        if p.returncode == 0:
+        return p.returncode, json.loads(report.read_text()).get("mirror") or {}
+
+    _, r = mirror("0.01x")
+    if not r.get("floor_bytes"):
+        return None, time.perf_counter() - start
+    floor = r["floor_bytes"] + 1
+    code, r = mirror(str(floor))
+    if code == 0:
+        return str(floor), time.perf_counter() - start
+    least = r.get("least_peak_found_bytes") or floor
+    for k in range(0, 8):
+        budget = str(int(least * (1 + 0.01 * k)))
+        if mirror(budget)[0] == 0:
             return budget, time.perf_counter() - start
     return None, time.perf_counter() - start
 

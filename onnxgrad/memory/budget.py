@@ -28,7 +28,7 @@ from .cost import CostModel
 from .mxnet import RANDOM, MirrorFunction, mxnet_plan
 from .plan import Plan, Step
 from .simulate import format_bytes
-from .simulate import peak_of_plan, scratch_bytes
+from .simulate import peak_of_plan, scratch_bytes, view_of_input
 
 SOLVERS = ("fast", "dp", "exact", "milp")
 COSTS = ("model", "prices", "profile")
@@ -137,15 +137,28 @@ class BudgetProblem:
         outputs = {id(v) for v in graph.outputs}
         read_by_name = {id(v) for n in graph.nodes for v in n.implicit_inputs}
         self.reasons: dict[str, str] = {}
+        # a view (Reshape, a folded Transpose, ...) shares its input's buffer, as in the simulator: it adds no
+        # bytes, and whatever reads it reads the buffer's owner too, which so lives as long as the view does
+        views = {k for k, n in enumerate(self.nodes) if view_of_input(n, outputs)}
+
+        def owners(v) -> list[int]:
+            found = []
+            while v is not None and v.producer is not None and id(v.producer) in index:
+                k = index[id(v.producer)]
+                found.append(k)
+                if k not in views:
+                    break
+                v = v.producer.inputs[0]
+            return found
+
         size, cost, inputs, recomputable, keep, scratch = [], [], [], [], set(), []
         for k, n in enumerate(self.nodes):
-            size.append(sum(nbytes[id(v)] for v in n.outputs if v.name))
+            size.append(0 if k in views else sum(nbytes[id(v)] for v in n.outputs if v.name))
             scratch.append(scratch_bytes(n, nbytes))
             cost.append(costs.cost(n))
-            inputs.append(sorted({index[id(v.producer)] for v in n.all_inputs
-                                  if v is not None and v.producer is not None and id(v.producer) in index}))
+            inputs.append(sorted({j for v in n.all_inputs for j in owners(v)}))
             if any(id(v) in outputs for v in n.outputs):
-                keep.add(k)
+                keep.update(owners(n.outputs[0]) if k in views else [k])
             ok, why = self._may_recompute(n, outputs, read_by_name, save, recompute)
             recomputable.append(ok)
             if n.phase == FORWARD:

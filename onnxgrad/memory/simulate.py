@@ -133,7 +133,7 @@ def folded_transpose(node: Node) -> bool:
                               and r.domain in ("", "ai.onnx") for r, i in uses)
 
 
-def _aliases(node: Node, outputs: set[int]) -> bool:
+def view_of_input(node: Node, outputs: set[int]) -> bool:
     """`shares_buffer` within a graph whose outputs are `outputs` (ids): a graph output is made, even where its
     Transpose would be folded into the readers."""
     return shares_buffer(node) and not (node.op_type == "Transpose" and id(node.outputs[0]) in outputs)
@@ -187,7 +187,7 @@ def _steps_of(graph: Graph, nbytes: dict[int, int]):
     for n in graph.nodes:
         writes = [id(v) for v in n.outputs if v.name]
         aliased = {}
-        if writes and _aliases(n, outputs):
+        if writes and view_of_input(n, outputs):
             aliased[writes[0]] = id(n.inputs[0])
         steps.append(([id(v) for v in n.all_inputs if v is not None], writes, aliased, scratch_bytes(n, nbytes)))
     return steps
@@ -392,7 +392,7 @@ def peak_of_plan(graph: Graph, order: list, nbytes: dict[int, int]) -> int:
                     latest[id(v)] = version
                 writes.append((id(v), version))
         aliased = {}
-        if writes and _aliases(node, outputs):
+        if writes and view_of_input(node, outputs):
             aliased[writes[0]] = reads[0]
         steps.append((reads, writes, aliased, scratch_bytes(node, nbytes)))
     size = _VersionSizes(nbytes)
