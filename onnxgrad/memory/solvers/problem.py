@@ -130,8 +130,17 @@ class Problem:
 
     @cached_property
     def movable(self) -> list[bool]:
-        """Ops a solver may run more than once: recomputable and not kept (a kept output is computed once)."""
-        return [r and i not in self.keep for i, r in enumerate(self.recomputable)]
+        """Ops a solver may run more than once: recomputable and not kept (a kept output is computed once), less
+        the free ones: an op of no bytes and no working memory that reads nothing movable (a view of a weight or
+        an input) is held from its one run at no cost, and running it again could only add steps. Left movable,
+        a network's many views of shared weights or shape constants would cross every cut of its forward region
+        and hide its narrow points."""
+        movable: list[bool] = []
+        size, scratch = self.size, self.scratch
+        for i, (r, ins) in enumerate(zip(self.recomputable, self.reads)):
+            free = size[i] == 0 and scratch[i] == 0 and not any(movable[j] for j in ins)
+            movable.append(r and i not in self.keep and not free)
+        return movable
 
     @cached_property
     def forward_end(self) -> int:
