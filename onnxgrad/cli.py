@@ -225,7 +225,10 @@ def _model_flags(command):
         click.option("--loss", metavar="NAME", help="The output to differentiate. Default: the only scalar output."),
         click.option("--requires-grad", metavar="NAME", multiple=True,
                      help="Differentiate with respect to these initializers or graph inputs only. Default: every "
-                          "floating-point initializer the loss depends on. Repeatable or comma-separated."),
+                          "floating-point initializer the loss depends on, except scalars (rank 0) beside tensor "
+                          "parameters: the constants torch.onnx's dynamo exporter stores as initializers, such as "
+                          "an exponent or a mask's fill value (the report lists them as scalar_constants). "
+                          "Repeatable or comma-separated."),
         click.option("--frozen", metavar="NAME", multiple=True, help="Initializers that get no gradient."),
         click.option("--also-grad", metavar="NAME", multiple=True,
                      help="Intermediate values whose gradients are also output, as <NAME>_grad."),
@@ -311,6 +314,12 @@ def build_grad(mirror, **flags):
 @click.option("--time-limit", type=click.FloatRange(min=1),
               help="With --solver exact or milp: seconds the solver may take (the best schedule found then is "
                    "used, with its gap in the report) [default: 60].")
+@click.option("--max-extra-passes", "max_extra_passes", type=click.FloatRange(min=0),
+              help="With --budget: choose no plan that recomputes more than this many forward passes' worth "
+                   "(in the cost's units). Near the floor a plan can reach a few MiB lower by recomputing the "
+                   "forward pass from the inputs many times over; onnxruntime ran such graphs well above their "
+                   "simulated peak (1.6-1.7x at 14 and 71 passes, BENCHMARKS.md) and 5-23x as long per step. A "
+                   "budget only such plans meet is refused, with the least peak within the limit [default: 4].")
 @click.option("--cost", "cost", type=click.Choice(["model", "prices", "profile"]),
               help="With --budget or --sweep: the price of a recomputation. model: FLOPs of the heavy ops from the "
                    "shapes plus 20 x the bytes each op moves; prices: microseconds per FLOP and per byte for each "
@@ -322,7 +331,7 @@ def build_grad(mirror, **flags):
                    "MXNet's plan, checkpoints every sqrt(n) layers, store-all, the chosen plan, the budget and the "
                    "floor marked; the table goes to stdout before the paths written (needs matplotlib for the "
                    "chart).")
-def mirror_cmd(policy, budget, solver_name, time_limit, cost, sweep, **flags):
+def mirror_cmd(policy, budget, solver_name, time_limit, max_extra_passes, cost, sweep, **flags):
     """Write MODEL's training graph with backward mirroring: forward values are recomputed in the backward
     pass, just before their use, instead of being kept from the forward pass. MODEL is a forward model (its
     gradient is built first, with any build-grad flag) or a training or step graph that build-grad wrote
@@ -338,10 +347,14 @@ def mirror_cmd(policy, budget, solver_name, time_limit, cost, sweep, **flags):
         raise UsageError("--solver: chooses how a --budget is met; give --budget (or --policy budget)")
     if time_limit is not None and solver_name not in TIMED_SOLVERS:
         raise UsageError(f"--time-limit: bounds --solver {' or '.join(TIMED_SOLVERS)} only")
+    if max_extra_passes is not None and policy != "budget":
+        raise UsageError("--max-extra-passes: bounds the plan a --budget chooses; give --budget (or --policy budget)")
     if cost is not None and policy != "budget" and not sweep:
         raise UsageError("--cost: prices recomputation for --budget or --sweep; give one of them")
     options = {"budget": budget, "solver": solver_name or "fast", "time_limit": time_limit or 60.0,
                "cost": cost or "model", "sweep": sweep}
+    if max_extra_passes is not None:
+        options["max_extra_passes"] = max_extra_passes
     _build_and_write("mirror", _build_options(flags, policy, options), **_outputs(flags))
 
 

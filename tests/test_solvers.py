@@ -5,6 +5,7 @@ import json
 import time
 from math import comb
 
+import onnx
 import pytest
 
 import onnxgrad
@@ -212,3 +213,35 @@ def test_views_of_weights_read_everywhere_hide_no_narrow_point():
     ours, theirs = solvers.front(viewed), solvers.front(plain)
     assert ours.least_peak == theirs.least_peak == solvers.floor(plain)
     assert ours.points[0].cost - viewed.baseline_cost <= theirs.points[0].cost - plain.baseline_cost + 1e-9
+
+
+def test_no_plan_past_the_recomputation_limit_is_chosen(tmp_path):
+    # near the floor, plans that rerun the forward pass many times measured far above their simulated peak in
+    # onnxruntime (BERT-base: 71 extra passes, 1.59x the budget): `max_extra_passes` bounds what is chosen
+    model = mlp_tail(layers=6, width=16, batch=32)
+
+    def build(budget, limit):
+        return onnxgrad.build(model, loss_fn="mse", mirror="budget",
+                              mirror_options={"budget": budget, "work": WORK, "max_extra_passes": limit})
+    unlimited = build("0.45x", float("inf")).report["mirror"]
+    assert unlimited["fits"] and unlimited["extra_forward_passes"] > 0.8
+    with pytest.raises(BudgetError) as failure:
+        build("0.45x", 0.8)
+    assert "within 0.8 extra forward passes" in str(failure.value) and "--max-extra-passes" in str(failure.value)
+    assert not failure.value.report.fits
+    capped = build("0.5x", 0.8).report["mirror"]
+    assert capped["fits"] and capped["extra_forward_passes"] <= 0.8
+    assert build("0.5x", 4.0).report["mirror"]["extra_forward_passes"] <= 4.0
+    with pytest.raises(UsageError, match="--max-extra-passes"):
+        MirrorOptions.from_dict({"budget": "0.5x", "max_extra_passes": -1})
+
+
+def test_max_extra_passes_goes_with_a_budget(tmp_path):
+    from onnxgrad.cli import main
+    path, out = tmp_path / "m.onnx", tmp_path / "t.onnx"
+    onnx.save(mlp_tail(layers=3, width=16, batch=32), path)
+    assert main(["mirror", str(path), "-o", str(out), "--loss-fn", "mse", "--max-extra-passes", "2"]) == 2
+    assert not out.exists()
+    assert main(["mirror", str(path), "-o", str(out), "--loss-fn", "mse", "--budget", "0.9x",
+                 "--max-extra-passes", "2"]) == 0
+    assert out.exists()

@@ -102,6 +102,13 @@ class Front:
     def least_peak(self) -> int | None:
         return self.points[0].peak if self.points else None
 
+    def within(self, max_extra_cost: float) -> Front:
+        """The front less its schedules whose extra cost exceeds `max_extra_cost`."""
+        base = self.problem.baseline_cost
+        limit = max_extra_cost + 1e-9 * (1 + abs(base))
+        points = [c for c in self.points if c.cost - base <= limit]
+        return self if len(points) == len(self.points) else Front(self.problem, points, self.solver, self.evaluations)
+
     def best_under(self, budget: int) -> Solution | None:
         """The cheapest schedule whose peak fits `budget`."""
         fitting = [c for c in self.points if c.peak <= budget]
