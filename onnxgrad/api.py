@@ -63,6 +63,7 @@ class BuildResult:
         report = {
             "loss": self.loss.loss,
             "parameters": list(self.gradient.parameters),
+            "scalar_constants": list(self.gradient.scalar_constants),
             "also_grad": list(self.gradient.also_grad),
             "loss_fn": self.options.loss_fn,
             "optimizer": self.options.optimizer,

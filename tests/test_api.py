@@ -291,3 +291,25 @@ def test_the_report_is_rendered_from_the_typed_results():
 def test_load_graph_reads_and_types_a_model():
     graph = onnxgrad.load_graph(onnxgrad.build_gradient(affine()))
     assert graph.nodes and all(v.is_typed for n in graph.nodes for v in n.outputs if v.name)
+
+
+def test_scalar_initializers_beside_tensors_are_constants_by_default():
+    # torch.onnx's dynamo exporter stores constants as rank-0 initializers (GELU's exponent and coefficients,
+    # the attention scale, the mask's fill value); trained as parameters, one SGD step took GPT-2's fill value
+    # -3.4e38 to -inf and the next loss was NaN
+    w = numpy_helper.from_array(np.array([[0.5, -1.0], [2.0, 0.25]], np.float32), "w")
+    scalars = [numpy_helper.from_array(np.asarray(v, np.float32), k)
+               for k, v in (("three", 3.0), ("half", 0.5), ("fill", -3.4e38))]
+    nodes = [h.make_node("MatMul", ["x", "w"], ["y"]), h.make_node("Pow", ["y", "three"], ["y3"]),
+             h.make_node("Mul", ["y3", "half"], ["z"]), h.make_node("Greater", ["z", "x"], ["keep"]),
+             h.make_node("Where", ["keep", "z", "fill"], ["masked"]), h.make_node("Softmax", ["masked"], ["p"]),
+             h.make_node("ReduceSumSquare", ["p"], ["loss"], keepdims=0)]
+    g = h.make_graph(nodes, "m", [h.make_tensor_value_info("x", T.FLOAT, [3, 2])],
+                     [h.make_tensor_value_info("loss", T.FLOAT, [])], [w] + scalars)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 18)])
+    report = onnxgrad.build(model).report
+    assert report["parameters"] == ["w"] and report["scalar_constants"] == ["three", "half", "fill"]
+    named = onnxgrad.build(model, requires_grad=["w", "half"]).report
+    assert named["parameters"] == ["w", "half"] and named["scalar_constants"] == []
+    # a model of scalars alone keeps them as its parameters
+    assert onnxgrad.build(affine()).report["parameters"] == ["w", "b"]

@@ -421,12 +421,16 @@ def test_mirroring_an_fp16_training_graph_with_recomputed_casts():
         np.testing.assert_array_equal(before[k], after[k])
 
 
+LEARNED = ["w", "half_"]  # scaled_activation's parameters, its scalar included
+
+
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_backward_sums_of_half_gradients_accumulate_in_float32(precision):
     """A scalar weight's gradient adds up every element of an activation (64 x 256 here), and a value read three
     times adds three contributions: both sums read float32 inputs, and a float32 parameter's gradient is the
-    float32 sum itself (no Cast back and forth)."""
-    train = onnxgrad.build_gradient(scaled_activation(), precision=precision, loss_fn="mse")
+    float32 sum itself (no Cast back and forth). The scalar beside a tensor parameter is named to be learned (by
+    default it would be taken for a constant)."""
+    train = onnxgrad.build_gradient(scaled_activation(), precision=precision, loss_fn="mse", requires_grad=LEARNED)
     graph = typed_graph(train)
     half = HALF[precision]
     sums = [n for n in graph.nodes if n.phase == "backward" and n.op_type in ("ReduceSum", "Sum")]
@@ -436,16 +440,16 @@ def test_backward_sums_of_half_gradients_accumulate_in_float32(precision):
         assert n.op_type == "Sum" or all(r.op_type != "Cast" or r.attr("to") == half for r, _ in n.outputs[0].uses)
     assert not [n.name for n in graph.nodes if n.op_type == "Cast" and n.inputs[0].elem_type == n.attr("to")]
     summed = [n for n in sums if n.op_type == "ReduceSum" and n.inputs[0].shape == ("N", 256)]
-    assert summed and onnxgrad.build(scaled_activation(), precision=precision, loss_fn="mse").precision.widened_sums \
-        >= len(summed) + 1
+    built = onnxgrad.build(scaled_activation(), precision=precision, loss_fn="mse", requires_grad=LEARNED)
+    assert summed and built.precision.widened_sums >= len(summed) + 1
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((64, 256)).astype(np.float32),
              "target": rng.standard_normal((64, 256)).astype(np.float32)}
     if precision == "fp16":
         feeds["loss_scale"] = np.array(1.0, np.float32)
     ref = gradients(scaled_activation(), "fp32", {k: v for k, v in feeds.items() if k != "loss_scale"},
-                    loss_fn="mse")
-    got = gradients(scaled_activation(), precision, feeds, loss_fn="mse")
+                    loss_fn="mse", requires_grad=LEARNED)
+    got = gradients(scaled_activation(), precision, feeds, loss_fn="mse", requires_grad=LEARNED)
     errors = gradient_errors(ref, got)
     assert errors["half__grad"] < GRAD_TOL[precision] / 3, errors
 

@@ -39,6 +39,7 @@ class Gradient(Pass):
             if loop_segments:
                 build.reaches_loss = reaching_heads(graph, heads)
         xs = select_parameters(graph, heads, build.reaches_loss, o.requires_grad, o.frozen)
+        constants = () if o.requires_grad else scalar_constants(graph, build.reaches_loss, o.frozen)
         us = [find_value(graph, name, "--also-grad") for name in o.also_grad or []]
         for u in us:
             if u.elem_type is not None and not u.is_float:
@@ -61,13 +62,14 @@ class Gradient(Pass):
         graph.inputs.extend(x for x in xs if graph.is_initializer(x) and id(x) not in inputs)
         build.parameters, build.also = xs, us
         build.record(GradientResult(tuple(x.name for x in xs), tuple(u.name for u in us),
-                                    dict(sorted(result.rules_used.items())), loop_segments, loop_schemes))
+                                    dict(sorted(result.rules_used.items())), loop_segments, loop_schemes,
+                                    constants))
 
 
 def select_parameters(graph: Graph, heads: list[Value], reaches_loss: set[int], requires_grad,
                       frozen) -> list[Value]:
     """The xs: requested names, or every floating-point initializer with a differentiable path to the loss
-    (`reaches_loss`: the ids of the values the heads depend on)."""
+    (`reaches_loss`: the ids of the values the heads depend on) that is not a scalar (`scalar_constants`)."""
     frozen_set = set(frozen or [])
     for name in frozen_set:
         find_value(graph, name, "--frozen")
@@ -85,12 +87,28 @@ def select_parameters(graph: Graph, heads: list[Value], reaches_loss: set[int], 
             if name not in frozen_set and v not in xs:
                 xs.append(v)
     else:
+        constants = set(scalar_constants(graph, reaches_loss, frozen))
         xs = [graph.values[name] for name in graph.initializers
-              if name not in frozen_set and graph.values[name].is_float and id(graph.values[name]) in reaches_loss]
+              if name not in frozen_set and name not in constants and graph.values[name].is_float
+              and id(graph.values[name]) in reaches_loss]
     # parameters in initializer order, then graph inputs in input order
     order = {name: i for i, name in enumerate(graph.initializers)}
     order.update({v.name: len(order) + i for i, v in enumerate(graph.inputs) if v.name not in order})
     return sorted(xs, key=lambda v: order[v.name])
+
+
+def scalar_constants(graph: Graph, reaches_loss: set[int], frozen) -> tuple[str, ...]:
+    """Floating-point initializers of rank 0 on a path to the loss, in a model whose other parameters are
+    tensors: not parameters by default. torch.onnx's dynamo exporter stores a model's constants this way (GELU's
+    exponent 3 and its coefficients, the attention scale, the mask's fill value -3.4e38); trained as parameters,
+    one SGD step moved the fill value to -inf and GPT-2's next loss was NaN. A model of scalars alone keeps them
+    as its parameters; a learned scalar beside tensors is named with --requires-grad."""
+    frozen_set = set(frozen or [])
+    candidates = [(name, len(t.dims)) for name, t in graph.initializers.items()
+                  if name not in frozen_set and graph.values[name].is_float and id(graph.values[name]) in reaches_loss]
+    if not any(rank for _, rank in candidates):
+        return ()
+    return tuple(name for name, rank in candidates if rank == 0)
 
 
 def no_gradient_type(elem_type: int) -> str:

@@ -38,6 +38,8 @@ class GradientResult:
     loop_segments: dict[str, int] | None = None                # with recomputation asked: Loop -> (innermost) segment length
     # with recomputation asked: Loop or Scan -> how it is checkpointed (unsegmented, or its levels of segments)
     loop_schemes: dict[str, LoopScheme] | None = None
+    # floating-point scalar initializers on the loss's path, taken for constants (not differentiated) by default
+    scalar_constants: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
