@@ -225,6 +225,12 @@ def compare(exp: Exported) -> Comparison:
         assert all(re.fullmatch(allowed, k) for k in uncompared), \
             f"{exp.name}: parameters folded where no folding was expected: {uncompared}"
         wanted = list(dict.fromkeys(s.init for c in sources.values() for s in c))
+        # by default every copy of a parameter is trained, and none of the scalar constants the optimizer
+        # stores as initializers (trained, GPT-2's mask fill value went to -inf in one SGD step)
+        chosen = onnxgrad.build(exp.path).report
+        scalars = {t.name for t in graph.initializer if not t.dims and t.data_type == onnx.TensorProto.FLOAT}
+        assert set(wanted) - scalars <= set(chosen["parameters"]), f"{exp.name}: a parameter left untrained"
+        assert not (scalars - set(wanted)) & set(chosen["parameters"]), f"{exp.name}: a constant trained"
         result = onnxgrad.build(exp.path, requires_grad=wanted + float_inputs)
 
     assert_typed(result.model)
