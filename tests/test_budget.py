@@ -356,3 +356,51 @@ def test_no_tie_is_rewritten_by_onnxruntime(tmp_path, mirror):
     created = [n.name for n in onnx.load(optimized).graph.node
                if n.name not in ours and any("/after_gradient/" in o for o in n.output)]
     assert not created, created[:5]
+
+
+def tied_head(batch: int = 4, tokens: int | None = 256, width: int = 256, vocab: int = 512, layers: int = 4):
+    """GPT-2's output layer in small: `layers` of h = Tanh(h W) over [batch, tokens, width], then
+    logits = h E^T through a Transpose of the table E (its gradient a Gemm whose one reader is a Reshape); MSE.
+    `tokens` None: 2-D, [batch, width] (the Gemm's result is read twice, by the Tanh gradient)."""
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((vocab, width)) / 16).astype(np.float32), "table")]
+    nodes, h = [], "x"
+    for i in range(layers):
+        inits.append(numpy_helper.from_array((rng.standard_normal((width, width)) / 16).astype(np.float32), f"w{i}"))
+        nodes += [helper.make_node("MatMul", [h, f"w{i}"], [f"z{i}"], name=f"fc{i}"),
+                  helper.make_node("Tanh", [f"z{i}"], [f"h{i}"], name=f"tanh{i}")]
+        h = f"h{i}"
+    nodes += [helper.make_node("Transpose", ["table"], ["table_t"], name="table_t", perm=[1, 0]),
+              helper.make_node("MatMul", [h, "table_t"], ["logits"], name="head")]
+    lead = [batch] if tokens is None else [batch, tokens]
+    io = [helper.make_tensor_value_info("x", TensorProto.FLOAT, lead + [width]),
+          helper.make_tensor_value_info("logits", TensorProto.FLOAT, lead + [vocab])]
+    return helper.make_model(helper.make_graph(nodes, "tied_head", io[:1], io[1:], inits),
+                             opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+@pytest.mark.parametrize("budget,tokens", [(None, 256), ("0.85x", 256), (None, None)])
+def test_the_simulator_knows_when_onnxruntime_keeps_a_transposed_weight(tmp_path, budget, tokens):
+    """onnxruntime folds a Transpose into the Gemm that reads it (here the input gradient of `h E^T`) only while
+    the Gemm's result has one reader. The simulator counts the transposed table where onnxruntime keeps it, and
+    no tie adds that second reader: one kept GPT-2's transposed embedding table (147 MiB) through the backward
+    of its budgeted step graphs, 1.19x the budget."""
+    import onnxruntime as ort
+    from onnxgrad.memory.simulate import shares_buffer
+    from onnxgrad.runtime import session_options
+    options = {"budget": budget} if budget else None
+    model = tied_head(batch=1024, tokens=None) if tokens is None else tied_head()
+    result = onnxgrad.build(model, loss_fn="mse", mirror="budget" if budget else None, mirror_options=options)
+    if budget:
+        assert result.report["mirror"]["recomputations"] > 0
+    path, optimized = tmp_path / "train.onnx", tmp_path / "optimized.onnx"
+    onnx.save(result.model, path)
+    so, extra = session_options(result.model, 1)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = str(optimized)
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"], **extra)
+    kept = [n.name for n in onnx.load(optimized).graph.node if n.op_type == "Transpose" and "table" in n.input]
+    graph = load(str(path))
+    folded = [n.name for n in graph.nodes if n.op_type == "Transpose" and shares_buffer(n)]
+    assert (kept, folded) == (([], ["table_t"]) if tokens else (["table_t"], []))

@@ -116,9 +116,9 @@ def shares_buffer(node: Node) -> bool:
 
 
 def folded_transpose(node: Node) -> bool:
-    """A Transpose of the last two axes that only MatMuls (or, in 2-D, Gemms) read: onnxruntime's fusions at
-    ORT_ENABLE_EXTENDED and above fold it into each reader (FusedMatMul, Gemm's trans flags), so its result is
-    never made and the readers read its input. GPT-2's output layer reads the embedding table so: the
+    """A Transpose of the last two axes that only MatMuls (or, in 2-D, Gemms that fold it) read: onnxruntime's
+    fusions at ORT_ENABLE_EXTENDED and above fold it into each reader (FusedMatMul, Gemm's trans flags), so its
+    result is never made and the readers read its input. GPT-2's output layer reads the embedding table so: the
     147 MiB transposed table the simulator counted was never allocated."""
     if node.op_type != "Transpose" or not node.outputs[0].name:
         return False
@@ -129,8 +129,22 @@ def folded_transpose(node: Node) -> bool:
     if list(perm if perm is not None else reversed(range(rank))) != [*range(rank - 2), rank - 1, rank - 2]:
         return False
     uses = node.outputs[0].uses
-    return bool(uses) and all(i in (0, 1) and (r.op_type == "MatMul" or (r.op_type == "Gemm" and rank == 2))
+    return bool(uses) and all(i in (0, 1) and (r.op_type == "MatMul" or (r.op_type == "Gemm" and rank == 2
+                                                                          and _gemm_folds(r)))
                               and r.domain in ("", "ai.onnx") for r, i in uses)
+
+
+# activations onnxruntime fuses into a Gemm before it (FusedGemm), which then keeps a Transpose it reads
+GEMM_ACTIVATIONS = frozenset({"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "Elu", "Selu", "Softsign",
+                              "Softplus", "ThresholdedRelu"})
+
+
+def _gemm_folds(gemm: Node) -> bool:
+    """Whether onnxruntime folds a Transpose into this Gemm's trans flags: only when the Gemm's result has at
+    most one reader, and not an activation it fuses into the Gemm (measured on onnxruntime 1.31's optimized
+    graphs: a second reader, such as a tie's Slice, or a Relu after it keeps the Transpose)."""
+    uses = gemm.outputs[0].uses if gemm.outputs and gemm.outputs[0].name else []
+    return len(uses) <= 1 and all(r.op_type not in GEMM_ACTIVATIONS for r, _ in uses)
 
 
 def view_of_input(node: Node, outputs: set[int]) -> bool:
