@@ -334,6 +334,20 @@ def conv_chain(layers: int = 4, channels: int = 16, side: int = 32, batch: int =
                              opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
 
 
+def optimized_by_onnxruntime(model, tmp_path) -> onnx.ModelProto:
+    """The graph onnxruntime runs: `model` saved as tmp_path/train.onnx, optimized at ORT_ENABLE_ALL with its own
+    session settings (one thread)."""
+    import onnxruntime as ort
+    from onnxgrad.runtime import session_options
+    path, optimized = tmp_path / "train.onnx", tmp_path / "optimized.onnx"
+    onnx.save(model, path)
+    so, extra = session_options(model, 1)
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.optimized_model_filepath = str(optimized)
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"], **extra)
+    return onnx.load(optimized)
+
+
 @pytest.mark.parametrize("mirror", [None, "budget"])
 def test_no_tie_is_rewritten_by_onnxruntime(tmp_path, mirror):
     """Each tie (a node waiting for the gradient before it) reads nodes of the file only: onnxruntime's
@@ -341,19 +355,12 @@ def test_no_tie_is_rewritten_by_onnxruntime(tmp_path, mirror):
     every node of the file, and a tie through it holds its node back while everything after it runs early. The
     transpose optimizer pushes a Transpose through the tie's Slice (this chain had two such nodes, and a dynamo
     ResNet-50 at 0.7x measured 1.39x its budget), so a Transpose is never the gradient tied to."""
-    import onnxruntime as ort
-    from onnxgrad.runtime import session_options
     options = {"budget": "0.85x"} if mirror else None
     result = onnxgrad.build(conv_chain(), loss_fn="mse", mirror=mirror, mirror_options=options)
-    path, optimized = tmp_path / "train.onnx", tmp_path / "optimized.onnx"
-    onnx.save(result.model, path)
-    so, extra = session_options(result.model, 1)
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.optimized_model_filepath = str(optimized)
-    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"], **extra)
+    optimized = optimized_by_onnxruntime(result.model, tmp_path)
     ours = {n.name for n in result.model.graph.node}
     assert any("/after_gradient/" in o for n in result.model.graph.node for o in n.output)
-    created = [n.name for n in onnx.load(optimized).graph.node
+    created = [n.name for n in optimized.graph.node
                if n.name not in ours and any("/after_gradient/" in o for o in n.output)]
     assert not created, created[:5]
 
@@ -386,21 +393,14 @@ def test_the_simulator_knows_when_onnxruntime_keeps_a_transposed_weight(tmp_path
     the Gemm's result has one reader. The simulator counts the transposed table where onnxruntime keeps it, and
     no tie adds that second reader: one kept GPT-2's transposed embedding table (147 MiB) through the backward
     of its budgeted step graphs, 1.19x the budget."""
-    import onnxruntime as ort
     from onnxgrad.memory.simulate import shares_buffer
-    from onnxgrad.runtime import session_options
     options = {"budget": budget} if budget else None
     model = tied_head(batch=1024, tokens=None) if tokens is None else tied_head()
     result = onnxgrad.build(model, loss_fn="mse", mirror="budget" if budget else None, mirror_options=options)
     if budget:
         assert result.report["mirror"]["recomputations"] > 0
-    path, optimized = tmp_path / "train.onnx", tmp_path / "optimized.onnx"
-    onnx.save(result.model, path)
-    so, extra = session_options(result.model, 1)
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.optimized_model_filepath = str(optimized)
-    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"], **extra)
-    kept = [n.name for n in onnx.load(optimized).graph.node if n.op_type == "Transpose" and "table" in n.input]
-    graph = load(str(path))
+    optimized = optimized_by_onnxruntime(result.model, tmp_path)
+    kept = [n.name for n in optimized.graph.node if n.op_type == "Transpose" and "table" in n.input]
+    graph = load(str(tmp_path / "train.onnx"))
     folded = [n.name for n in graph.nodes if n.op_type == "Transpose" and shares_buffer(n)]
     assert (kept, folded) == (([], ["table_t"]) if tokens else (["table_t"], []))

@@ -215,7 +215,7 @@ def test_views_of_weights_read_everywhere_hide_no_narrow_point():
     assert ours.points[0].cost - viewed.baseline_cost <= theirs.points[0].cost - plain.baseline_cost + 1e-9
 
 
-def test_no_plan_past_the_recomputation_limit_is_chosen(tmp_path):
+def test_no_plan_past_the_recomputation_limit_is_chosen():
     # near the floor, plans that rerun the forward pass many times measured far above their simulated peak in
     # onnxruntime (BERT-base: 71 extra passes, 1.59x the budget): `max_extra_passes` bounds what is chosen
     model = mlp_tail(layers=6, width=16, batch=32)

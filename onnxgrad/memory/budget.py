@@ -379,7 +379,7 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
                           f"{format_bytes(least)} ({format_bytes(problem.static_bytes)} of weights and inputs, and the largest "
                           f"working set of one op)", r)
     limits = solvers.Limits(work=options.work, time_limit=options.time_limit, workers=options.workers)
-    max_extra = options.max_extra_passes * bp.forward_cost
+    max_extra = options.max_extra_passes * bp.forward_cost * (1 + 1e-9)  # with rounding room
     front = solvers.front(problem, limits).within(max_extra)
     found = front.least_peak
     # the problem counts the small Constant nodes as alive throughout, the graph frees them: the problem's
@@ -389,7 +389,7 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     peak = None
     for _ in range(4):
         solution = _choose(bp, front, options, target, limits)
-        if solution is not None and solution.extra_cost > max_extra * (1 + 1e-9):
+        if solution is not None and solution.extra_cost > max_extra:
             solution = None  # an exact solver's optimum past the cap
         if solution is None:
             break
@@ -416,7 +416,7 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     if wanted is None:
         better = mxnet_extra <= bp.forward_cost and (solution is None or mxnet_peak < peak)
     else:
-        better = (mxnet_peak <= wanted and mxnet_extra <= max_extra * (1 + 1e-9)
+        better = (mxnet_peak <= wanted and mxnet_extra <= max_extra
                   and (solution is None or mxnet_extra < solution.extra_cost))
     if better:
         # Constant nodes are outside the problem (counted as static): their copies are not recomputations

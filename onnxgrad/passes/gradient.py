@@ -38,8 +38,7 @@ class Gradient(Pass):
             loop_segments = {name: s.lengths[0] for name, s in loop_schemes.items() if s.lengths}
             if loop_segments:
                 build.reaches_loss = reaching_heads(graph, heads)
-        xs = select_parameters(graph, heads, build.reaches_loss, o.requires_grad, o.frozen)
-        constants = () if o.requires_grad else scalar_constants(graph, build.reaches_loss, o.frozen)
+        xs, constants = select_parameters(graph, heads, build.reaches_loss, o.requires_grad, o.frozen)
         us = [find_value(graph, name, "--also-grad") for name in o.also_grad or []]
         for u in us:
             if u.elem_type is not None and not u.is_float:
@@ -67,12 +66,14 @@ class Gradient(Pass):
 
 
 def select_parameters(graph: Graph, heads: list[Value], reaches_loss: set[int], requires_grad,
-                      frozen) -> list[Value]:
+                      frozen) -> tuple[list[Value], tuple[str, ...]]:
     """The xs: requested names, or every floating-point initializer with a differentiable path to the loss
-    (`reaches_loss`: the ids of the values the heads depend on) that is not a scalar (`scalar_constants`)."""
+    (`reaches_loss`: the ids of the values the heads depend on) that is not a scalar constant; and the scalar
+    constants so left out (`scalar_constants`; none when names are requested)."""
     frozen_set = set(frozen or [])
     for name in frozen_set:
         find_value(graph, name, "--frozen")
+    constants: tuple[str, ...] = ()
     if requires_grad:
         xs = []
         for name in requires_grad:
@@ -87,28 +88,25 @@ def select_parameters(graph: Graph, heads: list[Value], reaches_loss: set[int], 
             if name not in frozen_set and v not in xs:
                 xs.append(v)
     else:
-        constants = set(scalar_constants(graph, reaches_loss, frozen))
-        xs = [graph.values[name] for name in graph.initializers
-              if name not in frozen_set and name not in constants and graph.values[name].is_float
-              and id(graph.values[name]) in reaches_loss]
+        candidates = [name for name in graph.initializers if name not in frozen_set
+                      and graph.values[name].is_float and id(graph.values[name]) in reaches_loss]
+        constants = scalar_constants(graph, candidates)
+        xs = [graph.values[name] for name in candidates if name not in constants]
     # parameters in initializer order, then graph inputs in input order
     order = {name: i for i, name in enumerate(graph.initializers)}
     order.update({v.name: len(order) + i for i, v in enumerate(graph.inputs) if v.name not in order})
-    return sorted(xs, key=lambda v: order[v.name])
+    return sorted(xs, key=lambda v: order[v.name]), constants
 
 
-def scalar_constants(graph: Graph, reaches_loss: set[int], frozen) -> tuple[str, ...]:
-    """Floating-point initializers of rank 0 on a path to the loss, in a model whose other parameters are
-    tensors: not parameters by default. torch.onnx's dynamo exporter stores a model's constants this way (GELU's
-    exponent 3 and its coefficients, the attention scale, the mask's fill value -3.4e38); trained as parameters,
-    one SGD step moved the fill value to -inf and GPT-2's next loss was NaN. A model of scalars alone keeps them
-    as its parameters; a learned scalar beside tensors is named with --requires-grad."""
-    frozen_set = set(frozen or [])
-    candidates = [(name, len(t.dims)) for name, t in graph.initializers.items()
-                  if name not in frozen_set and graph.values[name].is_float and id(graph.values[name]) in reaches_loss]
-    if not any(rank for _, rank in candidates):
-        return ()
-    return tuple(name for name, rank in candidates if rank == 0)
+def scalar_constants(graph: Graph, candidates: list[str]) -> tuple[str, ...]:
+    """The initializers of rank 0 among the parameter `candidates` (floating-point, on a path to the loss), when
+    some candidate is a tensor: not parameters by default. torch.onnx's dynamo exporter stores a model's
+    constants this way (GELU's exponent 3 and its coefficients, the attention scale, the mask's fill value
+    -3.4e38); trained as parameters, one SGD step moved the fill value to -inf and GPT-2's next loss was NaN. A
+    model of scalars alone keeps them as its parameters; a learned scalar beside tensors is named with
+    --requires-grad."""
+    scalars = tuple(name for name in candidates if not graph.initializers[name].dims)
+    return scalars if len(scalars) < len(candidates) else ()
 
 
 def no_gradient_type(elem_type: int) -> str:
