@@ -253,11 +253,15 @@ def scatter_add_rows(ctx: GradContext, rows: Value, positions: Value, updates: V
 
     Never ScatterND with reduction="add": onnxruntime's CPU kernel splits the updates across threads and loses
     some of them when positions repeat (every token of one segment id, every sequence at one position).
-    Small tables use a one-hot matrix [rows, N] and one MatMul, which sums in a fixed order. Larger ones use
-    ScatterElements with reduction="add", which the CPU provider runs in one loop (exact, repeatable at any
-    thread count; CUDA adds with atomics, so the sums are right but their order is not fixed); its indices are
-    the positions expanded to the updates' shape (int64, twice the updates' bytes, built from the gradient's
-    shape so they are made in the backward pass).
+    Small tables use a one-hot matrix [rows, N] and one MatMul, which sums in a fixed order. Larger ones never
+    hold a second table beside the result: each position is given one slot among the N updates (the slot of
+    some update at that position, -1 where none lands), the updates are summed into N slot rows with
+    ScatterElements and reduction="add", which the CPU provider runs in one loop (exact, repeatable at any
+    thread count; CUDA adds with atomics, so the sums are right but their order is not fixed), and the table is
+    gathered from the slot rows and one zero row after them (row -1). Which update's slot a position gets does
+    not matter, only that all of its updates read the same one, which they do: they read it from one table.
+    Beside the result, only the N + 1 slot rows and int64 indices (one per row, one per update element) are
+    made.
     """
     op = ctx.op
     static_rows = ctx.const_value_of(rows)
@@ -271,10 +275,17 @@ def scatter_add_rows(ctx: GradContext, rows: Value, positions: Value, updates: V
         hits = op.Equal(op.Unsqueeze(along, op.ints([1])), op.Unsqueeze(positions, op.ints([0])))
         return op.MatMul(op.Cast(hits, to=ctx.elem_type(like)), updates)
     shape = op.Shape(updates)
-    spread = op.Expand(op.Unsqueeze(positions, op.ints([1])), shape)
+    ones = op.Expand(op.const(np.array([1], np.int64), TensorProto.INT64), op.Shape(positions))
+    each = op.Sub(op.CumSum(ones, op.const(np.int64(0), TensorProto.INT64)), ones)  # 0 .. N-1
+    none = helper.make_tensor("", TensorProto.INT64, [1], [-1])
+    slot_of_row = op.ScatterElements(op.ConstantOfShape(rows, value=none), positions, each, axis=0)
+    spread = op.Expand(op.Unsqueeze(op.Gather(slot_of_row, positions, axis=0), op.ints([1])), shape)
     zero = helper.make_tensor("", ctx.elem_type(like), [1], [0])
-    zeros = op.ConstantOfShape(op.Concat(rows, op.Slice(shape, op.ints([1]), op.ints([2])), axis=0), value=zero)
-    return op.ScatterElements(zeros, spread, updates, axis=0, reduction="add")
+    sums = op.ScatterElements(op.ConstantOfShape(shape, value=zero), spread, updates, axis=0, reduction="add")
+    # row N (-1): zeros, for the rows no update lands in
+    sums = op.Concat(sums, op.ConstantOfShape(op.Concat(op.ints([1]), op.Slice(shape, op.ints([1]), op.ints([2])),
+                                                        axis=0), value=zero), axis=0)
+    return op.Gather(sums, slot_of_row, axis=0)
 
 
 def unbroadcast(ctx: GradContext, g: Value, like: Value, result: Value) -> Value:
