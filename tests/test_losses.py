@@ -256,3 +256,26 @@ def test_shipped_mlp_needs_another_loss_name(tmp_path):
     labels = np.array([1, -1, 9])
     res = run(train, {"x": rng.standard_normal((3, 16)).astype(np.float32), "labels": labels, "y": labels})
     assert np.isfinite(res["ce"]) and res["ce"] != res["loss"]  # ignore_index and weights change the value
+
+
+def test_cross_entropy_gradient_holds_two_score_sized_tensors(tmp_path):
+    """Over many classes the scores' gradient is the softmax times the loss's coefficient with each label's
+    coefficient added at its class: the backward holds two score-sized tensors at once (the softmax and its
+    product, then the product and the sum), simulated and as onnxruntime runs it; a one-hot gradient beside
+    them made three."""
+    from onnxgrad.api import load_graph
+    from onnxgrad.memory.measure import measure
+    from onnxgrad.memory.simulate import simulate
+    rows, classes = 256, 20000
+    w = np.random.default_rng(0).standard_normal((FEATURES, classes)).astype(np.float32)
+    nodes = [h.make_node("MatMul", ["x", "W"], ["scores"]),
+             h.make_node("SoftmaxCrossEntropyLoss", ["scores", "labels"], ["loss"])]
+    graph = h.make_graph(nodes, "classifier", [h.make_tensor_value_info("x", T.FLOAT, [rows, FEATURES]),
+                                                h.make_tensor_value_info("labels", T.INT64, [rows])],
+                         [h.make_tensor_value_info("loss", T.FLOAT, [])], [numpy_helper.from_array(w, "W")])
+    train = onnxgrad.build_gradient(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]))
+    scores = rows * classes * 4
+    assert simulate(load_graph(train)).dynamic_peak < 2.3 * scores
+    path = tmp_path / "classifier.onnx"
+    onnx.save(train, str(path))
+    assert measure(path)["peak_bytes"] < 2.3 * scores

@@ -39,6 +39,15 @@ def _picked_grad(ctx, x):
     over the reduction: 'none' as is, 'sum' broadcast, 'mean' divided by sum(w) (or the count of labels).
     """
     op = ctx.op
+    per_label, _ = _label_coefficient(ctx, x)
+    hit = op.Equal(op.Unsqueeze(ctx.I(1), op.ints([1])), _class_indices(ctx, x, ctx.elem_type(ctx.I(1))))
+    return op.Where(hit, per_label, ctx.const_like(0.0, x)), per_label
+
+
+def _label_coefficient(ctx, x):
+    """(per_label, safe_labels): the coefficient of `_picked_grad` at each label, shape (N, 1, d...), and the
+    labels with ignored ones pointed at class 0 (whose coefficient is 0)."""
+    op = ctx.op
     labels, weight, gl = ctx.I(1), ctx.I(2), ctx.GO(0)
     reduction = ctx.text_attr("reduction", "mean")
     ignore_index = ctx.attr("ignore_index")
@@ -70,9 +79,7 @@ def _picked_grad(ctx, x):
         coef = op.Mul(coef, w)
     elif reduction != "none":
         coef = op.Expand(coef, ctx.shape_of(labels))
-    per_label = op.Unsqueeze(coef, op.ints([1]))
-    hit = op.Equal(op.Unsqueeze(labels, op.ints([1])), _class_indices(ctx, x, label_type))
-    return op.Where(hit, per_label, ctx.const_like(0.0, x)), per_label
+    return op.Unsqueeze(coef, op.ints([1])), safe_labels
 
 
 def _class_indices(ctx, x, label_type: int):
@@ -102,12 +109,20 @@ def softmax_cross_entropy_loss(ctx):
     op, scores = ctx.op, ctx.I(0)
     has_log_prob = len(ctx.node.outputs) > 1 and ctx.O(1).name != ""
     g_log_prob = ctx.GO(1) if has_log_prob else None
+    # The softmax reads forward values only: exp of the log_prob output when there is one, else recomputed.
+    prob = op.Exp(ctx.O(1)) if has_log_prob else op.Softmax(scores, axis=1)
+    if g_log_prob is None and ctx.GO(0) is not None and ctx.opset >= 16:
+        # Only the loss has a gradient: -total * softmax, with each label's coefficient added at its class. Two
+        # tensors of the scores' size are alive at once (the softmax and its product, then the product and the
+        # sum), where the one-hot g beside them made three.
+        per_label, labels = _label_coefficient(ctx, scores)
+        spread = op.Mul(prob, op.Neg(per_label))
+        at = op.Unsqueeze(labels, op.ints([1]))
+        return [op.ScatterElements(spread, at, per_label, axis=1, reduction="add")] + [None] * (ctx.num_inputs - 1)
     g, total = None, None
     if ctx.GO(0) is not None:
         g, total = _picked_grad(ctx, scores)  # each label picks one class: sum over classes is per_label
     if g_log_prob is not None:
         g = g_log_prob if g is None else op.Add(g, g_log_prob)
         total = op.ReduceSum(g, op.ints([1]), keepdims=1)
-    # The softmax reads forward values only: exp of the log_prob output when there is one, else recomputed.
-    prob = op.Exp(ctx.O(1)) if has_log_prob else op.Softmax(scores, axis=1)
     return [op.Sub(g, op.Mul(total, prob))] + [None] * (ctx.num_inputs - 1)
