@@ -285,7 +285,10 @@ def scatter_add_rows(ctx: GradContext, rows: Value, positions: Value, updates: V
     # row N (-1): zeros, for the rows no update lands in
     sums = op.Concat(sums, op.ConstantOfShape(op.Concat(op.ints([1]), op.Slice(shape, op.ints([1]), op.ints([2])),
                                                         axis=0), value=zero), axis=0)
-    return op.Gather(sums, slot_of_row, axis=0)
+    table = op.Gather(sums, slot_of_row, axis=0)
+    if table.shape is None and count is not None and updates.shape is not None and len(updates.shape) == 2:
+        table.elem_type, table.shape = ctx.elem_type(like), (count, updates.shape[1])
+    return table
 
 
 def unbroadcast(ctx: GradContext, g: Value, like: Value, result: Value) -> Value:

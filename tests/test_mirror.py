@@ -264,6 +264,29 @@ def test_a_transpose_folded_into_its_matmul_is_never_allocated(tmp_path, reader)
     assert (predicted > transposed) == (measured > transposed) == (reader == "output"), (measured, predicted)
 
 
+@pytest.mark.parametrize("view", ["Reshape", "Unsqueeze", "Identity"])
+def test_a_view_into_a_graph_output_is_a_copy(tmp_path, view):
+    """y = 2x (16 MiB) goes out through a view: onnxruntime gives a graph output a buffer of its own, so a
+    Reshape or an Unsqueeze holds both (the simulator counts two), while an Identity is removed (one)."""
+    inputs = {"Reshape": ["y", "shape"], "Unsqueeze": ["y", "axes"], "Identity": ["y"]}[view]
+    nodes = [h.make_node("Mul", ["x", "two"], ["y"], name="mul"), h.make_node(view, inputs, ["out"], name="view")]
+    inits = [h.make_tensor("two", TensorProto.FLOAT, [], [2.0]),
+             h.make_tensor("shape", TensorProto.INT64, [2], [2048, 2048]),
+             h.make_tensor("axes", TensorProto.INT64, [1], [0])]
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", TensorProto.FLOAT, [2048, 2048])],
+                     [h.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 18)], ir_version=8)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    graph = from_model(model)
+    type_everything(graph)
+    predicted = simulate(graph).dynamic_peak
+    measured = measure(path, level="ALL")["peak_bytes"]
+    tensor = 2048 * 2048 * 4
+    assert abs(measured - predicted) <= 0.1 * predicted, (measured, predicted)
+    assert (predicted > 1.5 * tensor) == (measured > 1.5 * tensor) == (view != "Identity"), (measured, predicted)
+
+
 # -- the command line ----------------------------------------------------------------------------------------
 def test_mirror_command_writes_the_plan_and_refuses_unknown_sizes(tmp_path, capfd):
     model = tmp_path / "m.onnx"

@@ -10,10 +10,10 @@ contract.RUNTIME_HINTS), the CPU arena and memory patterns off:
   CPU kernels): Where selects into two output-sized buffers before it merges them, and ConvTranspose unfolds
   each image into a column buffer. A loop's is its body's peak; a Loop also keeps every iteration's scan outputs
   and concatenates them after its last iteration (`loop_bytes`).
-The view ops (Reshape, Flatten, Squeeze, Unsqueeze) share their input's buffer, and so do the nodes onnxruntime's
-basic optimizations remove (Identity, a Cast to the type its input has). onnxruntime may also run an
-element-wise node in place, writing its output over an input it is the last reader of; that is not modelled, so
-the simulation errs on the high side there.
+The view ops (Reshape, Flatten, Squeeze, Unsqueeze) share their input's buffer, except into a graph output, which
+gets a buffer of its own; so do the nodes onnxruntime's basic optimizations remove (Identity, a Cast to the type
+its input has). onnxruntime may also run an element-wise node in place, writing its output over an input it is the
+last reader of; that is not modelled, so the simulation errs on the high side there.
 
 Bytes need every shape known: symbolic dimensions are bound by `dims` (the `--dim` values).
 """
@@ -148,9 +148,10 @@ def _gemm_folds(gemm: Node) -> bool:
 
 
 def view_of_input(node: Node, outputs: set[int]) -> bool:
-    """`shares_buffer` within a graph whose outputs are `outputs` (ids): a graph output is made, even where its
-    Transpose would be folded into the readers."""
-    return shares_buffer(node) and not (node.op_type == "Transpose" and id(node.outputs[0]) in outputs)
+    """`shares_buffer` within a graph whose outputs are `outputs` (ids): a graph output gets a buffer of its own,
+    so a view op (or a Transpose that would be folded into its readers) that writes one is a copy. Identity and
+    the no-op Cast are removed by onnxruntime's basic optimizations and stay views."""
+    return shares_buffer(node) and not (node.op_type in ALIASES | {"Transpose"} and id(node.outputs[0]) in outputs)
 
 
 class _Buffers:

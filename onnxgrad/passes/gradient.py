@@ -12,6 +12,7 @@ from ..errors import UnsupportedError, UsageError
 from ..gradient import differentiate, reaching_heads
 from ..ir import Graph, Node, Value, names_defined_in
 from ..memory.budget import MirrorOptions, parse_budget
+from ..memory.simulate import ALIASES
 from ..pipeline import Build, Pass
 from .results import GradientResult
 
@@ -163,12 +164,28 @@ def finalize_outputs(graph: Graph, xs, us, grads: dict[str, Value | None], names
         if g is None:  # an --also-grad value that the loss does not depend on
             g = op.ConstantOfShape(op.Shape(v), value=helper.make_tensor("", v.elem_type, [1], [0]))
         target = v.name + GRAD_SUFFIX
+        g = _past_view(graph, g, v, claimed)
         if id(g) in claimed or g.producer is None or g.producer.phase != BACKWARD:
             g = op.Identity(g)
         graph.rename(g, target)
         g.elem_type, g.shape = v.elem_type, v.shape
         claimed.add(id(g))
         graph.outputs.append(g)
+
+
+def _past_view(graph: Graph, g: Value, like: Value, claimed: set[int]) -> Value:
+    """`g`, or the input of the Reshape-like node that makes it when that input already has `like`'s shape:
+    onnxruntime gives a graph output a buffer of its own, so a view as the last node of a gradient copies it
+    (measured: Reshape and Unsqueeze into an output hold both buffers; Identity does not, it is removed)."""
+    node = g.producer
+    if node is None or node.phase != BACKWARD or node.op_type not in ALIASES or node.domain or g.uses:
+        return g
+    source = node.inputs[0]
+    if (source is None or id(source) in claimed or source.shape is None or like.shape is None
+            or tuple(source.shape) != tuple(like.shape) or None in like.shape or source.elem_type != like.elem_type):
+        return g
+    graph.remove([node])
+    return source
 
 
 def bound_loops(graph: Graph, bounds: dict[str, int], names: Names) -> None:
