@@ -291,6 +291,45 @@ def scatter_add_rows(ctx: GradContext, rows: Value, positions: Value, updates: V
     return table
 
 
+def rows_added(v: Value) -> tuple[Value, Value, Value] | None:
+    """(rows, positions, updates) when `v` is the table `scatter_add_rows` gathers from its slot rows, or a
+    Reshape of it: the pattern that function writes, read back."""
+    node = v.producer
+    if node is not None and node.op_type == "Reshape":
+        node = node.inputs[0].producer
+    if node is None or node.op_type != "Gather" or node.inputs[0].producer is None:
+        return None
+    padded, slot_of_row = node.inputs[0].producer, node.inputs[1].producer
+    if padded.op_type != "Concat" or slot_of_row is None or slot_of_row.op_type != "ScatterElements":
+        return None
+    sums = padded.inputs[0].producer
+    unset = slot_of_row.inputs[0].producer
+    if (sums is None or sums.op_type != "ScatterElements" or unset is None or unset.op_type != "ConstantOfShape"
+            or sums.attr("reduction") not in ("add", b"add")):
+        return None
+    return unset.inputs[0], slot_of_row.inputs[1], sums.inputs[2]
+
+
+def sum_gradients(op: Builder, parts: list[Value]) -> tuple[Value, Value | None]:
+    """The sum of a value's gradient contributions, and the contribution it no longer reads, if any. Where one
+    contribution is a table's rows added by `scatter_add_rows` (an embedding) and others are dense (a tied
+    output layer), the rows are added into the sum of the others by ScatterElements with reduction="add":
+    beside the result, one table-sized buffer (the dense sum) instead of two (it and the gathered table)."""
+    for k, part in enumerate(parts):
+        found = rows_added(part)
+        if found is None:
+            continue
+        rows, positions, updates = found
+        others = parts[:k] + parts[k + 1:]
+        dense = others[0] if len(others) == 1 else op.Sum(*others)
+        shape = op.Shape(updates)
+        flat = op.Reshape(dense, op.Concat(rows, op.Slice(shape, op.ints([1]), op.ints([2])), axis=0))
+        spread = op.Expand(op.Unsqueeze(positions, op.ints([1])), shape)
+        added = op.ScatterElements(flat, spread, updates, axis=0, reduction="add")
+        return op.Reshape(added, op.Shape(dense)), part
+    return op.Sum(*parts), None
+
+
 def unbroadcast(ctx: GradContext, g: Value, like: Value, result: Value) -> Value:
     """Reduce a gradient of a broadcast result to an operand's shape.
 

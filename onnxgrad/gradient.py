@@ -15,7 +15,7 @@ from functools import lru_cache
 import onnx.defs
 
 from . import registry
-from .builder import Builder, GradContext, Names
+from .builder import Builder, GradContext, Names, sum_gradients
 from .contract import BACKWARD
 from .errors import InternalError, UnsupportedError
 from .ir import Graph, Node, Value, names_defined_in
@@ -103,6 +103,20 @@ def _path_from(heads: list[Value], target: Node, on_path: set[int]) -> str:
     return " <- ".join([heads[0].name] + steps[::-1])
 
 
+def _drop_unread(graph: Graph, v: Value) -> None:
+    """Take out the backward nodes that made `v`, now that nothing reads it, and those that fed only them."""
+    outputs = {id(o) for o in graph.outputs}
+    stack = [v.producer]
+    while stack:
+        node = stack.pop()
+        if (node is None or node.phase != BACKWARD or node not in graph.nodes
+                or any(o.uses or id(o) in outputs for o in node.outputs)):
+            continue
+        inputs = [u for u in node.all_inputs if u is not None]
+        graph.remove([node])
+        stack.extend(u.producer for u in inputs)
+
+
 def differentiate(graph: Graph, heads: list[Value], head_grads: list[Value], wrt: list[Value],
                   names: Names, reaches_loss: set[int] | None = None) -> GradientResult:
     """Append the backward graph of `heads` (seeded with `head_grads`) with respect to `wrt`.
@@ -126,7 +140,10 @@ def differentiate(graph: Graph, heads: list[Value], head_grads: list[Value], wrt
         if not parts:
             return None
         if len(parts) > 1:
-            parts[:] = [op.Sum(*parts)]
+            total_grad, unread = sum_gradients(op, parts)
+            parts[:] = [total_grad]
+            if unread is not None:
+                _drop_unread(graph, unread)
         g = parts[0]
         if g.shape is None and g.producer is not None and g.producer.phase == BACKWARD:
             g.elem_type, g.shape = g.elem_type or v.elem_type, v.shape

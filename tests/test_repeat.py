@@ -129,3 +129,39 @@ def test_a_large_table_gradient_holds_one_table(tmp_path):
     onnx.save(train, str(path))
     assert measure(path, level="ALL")["peak_bytes"] < 1.5 * table
 
+
+def tied_model(rows: int, width: int, tokens: int) -> onnx.ModelProto:
+    """loss = sum((Gather(table, ids) @ table^T) * w): an embedding tied to the output layer."""
+    table = numpy_helper.from_array(
+        np.random.default_rng(2).standard_normal((rows, width)).astype(np.float32) * 0.1, "table")
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"]),
+             helper.make_node("Transpose", ["table"], ["head"], perm=[1, 0]),
+             helper.make_node("MatMul", ["rows", "head"], ["logits"]),
+             helper.make_node("Mul", ["logits", "w"], ["weighted"]),
+             helper.make_node("ReduceSum", ["weighted"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(
+        nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, [tokens]),
+                        helper.make_tensor_value_info("w", TensorProto.FLOAT, [tokens, rows])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [table])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def test_a_tied_table_adds_its_rows_into_the_output_layer_gradient():
+    """The embedding's rows are added into the tied output layer's gradient, not gathered into a second table
+    and summed: two table-sized buffers at once instead of three, and the gradient is autograd's."""
+    import torch
+    from onnxgrad.api import load_graph
+    from onnxgrad.memory.simulate import simulate
+    rows, width, tokens = 4000, 256, 64
+    model = tied_model(rows, width, tokens)
+    train = onnxgrad.build_gradient(model)
+    assert simulate(load_graph(train)).dynamic_peak < 2.5 * rows * width * 4
+    rng = np.random.default_rng(3)
+    ids = np.minimum(rng.zipf(1.3, tokens) - 1, rows - 1).astype(np.int64)
+    w = rng.standard_normal((tokens, rows)).astype(np.float32)
+    outs = assert_repeatable(train, {"ids": ids, "w": w}, "tied embedding")
+    table = torch.tensor(numpy_helper.to_array(model.graph.initializer[0]), dtype=torch.float64,
+                         requires_grad=True)
+    (table[torch.tensor(ids)] @ table.T * torch.tensor(w, dtype=torch.float64)).sum().backward()
+    names = [o.name for o in train.graph.output]
+    assert rel_l2(outs[names.index("table_grad")], table.grad.numpy()) < 1e-5
