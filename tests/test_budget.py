@@ -365,10 +365,11 @@ def test_no_tie_is_rewritten_by_onnxruntime(tmp_path, mirror):
     assert not created, created[:5]
 
 
-def tied_head(batch: int = 4, tokens: int | None = 256, width: int = 256, vocab: int = 512, layers: int = 4):
+def tied_head(batch: int = 4, tokens: int | None = 256, width: int = 256, vocab: int = 512, layers: int = 4,
+              head: str = "MatMul"):
     """GPT-2's output layer in small: `layers` of h = Tanh(h W) over [batch, tokens, width], then
-    logits = h E^T through a Transpose of the table E (its gradient a Gemm whose one reader is a Reshape); MSE.
-    `tokens` None: 2-D, [batch, width] (the Gemm's result is read twice, by the Tanh gradient)."""
+    logits = h E^T through a Transpose of the table E; MSE. `tokens` None: 2-D, [batch, width]. `head` "Gemm"
+    (2-D): logits = Relu(Gemm(h, E^T)), a Gemm onnxruntime fuses with the Relu and so keeps the Transpose."""
     from onnx import TensorProto, helper, numpy_helper
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array((rng.standard_normal((vocab, width)) / 16).astype(np.float32), "table")]
@@ -378,8 +379,12 @@ def tied_head(batch: int = 4, tokens: int | None = 256, width: int = 256, vocab:
         nodes += [helper.make_node("MatMul", [h, f"w{i}"], [f"z{i}"], name=f"fc{i}"),
                   helper.make_node("Tanh", [f"z{i}"], [f"h{i}"], name=f"tanh{i}")]
         h = f"h{i}"
-    nodes += [helper.make_node("Transpose", ["table"], ["table_t"], name="table_t", perm=[1, 0]),
-              helper.make_node("MatMul", [h, "table_t"], ["logits"], name="head")]
+    nodes.append(helper.make_node("Transpose", ["table"], ["table_t"], name="table_t", perm=[1, 0]))
+    if head == "Gemm":
+        nodes += [helper.make_node("Gemm", [h, "table_t"], ["scores"], name="head"),
+                  helper.make_node("Relu", ["scores"], ["logits"], name="relu")]
+    else:
+        nodes.append(helper.make_node("MatMul", [h, "table_t"], ["logits"], name="head"))
     lead = [batch] if tokens is None else [batch, tokens]
     io = [helper.make_tensor_value_info("x", TensorProto.FLOAT, lead + [width]),
           helper.make_tensor_value_info("logits", TensorProto.FLOAT, lead + [vocab])]
@@ -387,15 +392,17 @@ def tied_head(batch: int = 4, tokens: int | None = 256, width: int = 256, vocab:
                              opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
 
 
-@pytest.mark.parametrize("budget,tokens", [(None, 256), ("0.85x", 256), (None, None)])
-def test_the_simulator_knows_when_onnxruntime_keeps_a_transposed_weight(tmp_path, budget, tokens):
-    """onnxruntime folds a Transpose into the Gemm that reads it (here the input gradient of `h E^T`) only while
-    the Gemm's result has one reader. The simulator counts the transposed table where onnxruntime keeps it, and
-    no tie adds that second reader: one kept GPT-2's transposed embedding table (147 MiB) through the backward
-    of its budgeted step graphs, 1.19x the budget."""
+@pytest.mark.parametrize("budget,tokens,head", [(None, 256, "MatMul"), ("0.85x", 256, "MatMul"),
+                                               (None, None, "MatMul"), (None, None, "Gemm")])
+def test_the_simulator_knows_when_onnxruntime_keeps_a_transposed_weight(tmp_path, budget, tokens, head):
+    """onnxruntime folds a Transpose into the Gemm that reads it only while the Gemm's result has one reader and
+    no activation it fuses (the Relu after the 2-D Gemm head). The simulator counts the transposed table where
+    onnxruntime keeps it, and no tie adds a second reader: one kept GPT-2's transposed embedding table (147 MiB)
+    through the backward of its budgeted step graphs, 1.19x the budget. (The input gradient of `h E^T` reads
+    E itself, so it is never such a reader.)"""
     from onnxgrad.memory.simulate import shares_buffer
     options = {"budget": budget} if budget else None
-    model = tied_head(batch=1024, tokens=None) if tokens is None else tied_head()
+    model = tied_head(batch=1024, tokens=None, head=head) if tokens is None else tied_head()
     result = onnxgrad.build(model, loss_fn="mse", mirror="budget" if budget else None, mirror_options=options)
     if budget:
         assert result.report["mirror"]["recomputations"] > 0
@@ -403,4 +410,4 @@ def test_the_simulator_knows_when_onnxruntime_keeps_a_transposed_weight(tmp_path
     kept = [n.name for n in optimized.graph.node if n.op_type == "Transpose" and "table" in n.input]
     graph = load(str(tmp_path / "train.onnx"))
     folded = [n.name for n in graph.nodes if n.op_type == "Transpose" and shares_buffer(n)]
-    assert (kept, folded) == (([], ["table_t"]) if tokens else (["table_t"], []))
+    assert (kept, folded) == ((["table_t"], []) if head == "Gemm" else ([], ["table_t"]))

@@ -20,6 +20,15 @@ def _sum_to(ctx, g, like: Value, shape: tuple) -> Value:
     return unbroadcast(ctx, g, like, Value(f"{g.name}:shape", shape=shape))
 
 
+def _transposed_from(v: Value) -> Value | None:
+    """w when v is Transpose(w) of a matrix w."""
+    node = v.producer
+    if node is None or node.op_type != "Transpose" or node.domain or node.inputs[0] is None:
+        return None
+    perm = node.attr("perm")
+    return node.inputs[0] if node.inputs[0].rank == 2 and (perm is None or list(perm) == [1, 0]) else None
+
+
 @rule("MatMul", since=13, limits="operands of unknown rank")
 def matmul(ctx):
     """y = a @ b: da = dy @ bᵀ, db = aᵀ @ dy (1-D operands as a row / a column; broadcast batch axes summed)"""
@@ -39,7 +48,11 @@ def matmul(ctx):
         b2 = b if rb > 1 else op.Unsqueeze(b, op.ints([1]))
         g_rows = g2 if ra2 == 2 else op.Flatten(g2, axis=ra2 - 1)
         if ctx.needs(0):
-            ga = op.Gemm(g_rows, b2, transB=1)
+            w = _transposed_from(b) if rb == 2 else None
+            # dy @ (wᵀ)ᵀ = dy @ w: onnxruntime would fold the Transpose into this Gemm as a node of its own, which
+            # it numbers after every node of the file, so it ran after the rest of the backward with dy alive
+            # (dynamo's GPT-2, whose tied output layer reads the table through a Transpose: dy is 196 MiB)
+            ga = op.Gemm(g_rows, w) if w is not None else op.Gemm(g_rows, b2, transB=1)
             ga = ga if ra == 2 else ctx.reshape_like(ga, a)
         if ctx.needs(1):
             a2 = a if ra > 1 else op.Unsqueeze(a, op.ints([0]))
