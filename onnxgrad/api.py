@@ -64,6 +64,7 @@ class BuildResult:
             "loss": self.loss.loss,
             "parameters": list(self.gradient.parameters),
             "scalar_constants": list(self.gradient.scalar_constants),
+            "parameter_copies": [list(c) for c in self.gradient.parameter_copies],
             "also_grad": list(self.gradient.also_grad),
             "loss_fn": self.options.loss_fn,
             "optimizer": self.options.optimizer,

@@ -434,6 +434,10 @@ def _build_and_write(command, options, model, output, external_data, report):
               if n or phase in ("forward", "backward")]
     log.info("%s: loss %s, %d parameters, %s nodes, %.2f s", out, result.loss.loss, len(result.gradient.parameters),
              " + ".join(counts), result.seconds)
+    for first, second, how in result.gradient.parameter_copies:
+        log.warning("warning: parameters %r and %r hold the same values%s: one weight written twice by the "
+                    "exporter? They are trained apart and differ after the first update", first, second,
+                    " (one transposed)" if how == "transposed" else "")
     if log.isEnabledFor(logging.DEBUG):
         from .cuda import cuda_fallbacks
         for line in cuda_fallbacks(result.model):

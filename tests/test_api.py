@@ -293,6 +293,31 @@ def test_load_graph_reads_and_types_a_model():
     assert graph.nodes and all(v.is_typed for n in graph.nodes for v in n.outputs if v.name)
 
 
+def test_a_weight_written_twice_is_reported_and_warned(tmp_path, capfd):
+    # the TorchScript exporter writes GPT-2's tied output layer as a transposed copy of the token table: trained
+    # as two parameters they differ after the first update. Matrices of one repeated value (zeros, ones) are
+    # equal without being one weight, and are not reported.
+    from onnxgrad.cli import main
+    rng = np.random.default_rng(0)
+    e = rng.standard_normal((128, 64)).astype(np.float32)
+    inits = [numpy_helper.from_array(e, "E"), numpy_helper.from_array(np.ascontiguousarray(e.T), "Et"),
+             numpy_helper.from_array(np.zeros((64, 64), np.float32), "Z1"),
+             numpy_helper.from_array(np.zeros((64, 64), np.float32), "Z2")]
+    nodes = [h.make_node("MatMul", ["x", "Et"], ["a"]), h.make_node("MatMul", ["a", "E"], ["b"]),
+             h.make_node("MatMul", ["b", "Z1"], ["c"]), h.make_node("MatMul", ["c", "Z2"], ["d"]),
+             h.make_node("Add", ["b", "d"], ["y"]), h.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    g = h.make_graph(nodes, "m", [h.make_tensor_value_info("x", T.FLOAT, [4, 64])],
+                     [h.make_tensor_value_info("loss", T.FLOAT, [])], inits)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 18)])
+    assert onnxgrad.build(model).report["parameter_copies"] == [["E", "Et", "transposed"]]
+    assert onnxgrad.build(affine()).report["parameter_copies"] == []
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    assert main(["build-grad", str(path), "-o", str(tmp_path / "t.onnx")]) == 0
+    err = capfd.readouterr().err
+    assert "warning: parameters 'E' and 'Et' hold the same values (one transposed)" in err
+
+
 def test_scalar_initializers_beside_tensors_are_constants_by_default():
     # torch.onnx's dynamo exporter stores constants as rank-0 initializers (GELU's exponent and coefficients,
     # the attention scale, the mask's fill value); trained as parameters, one SGD step took GPT-2's fill value

@@ -3,6 +3,7 @@ and name each gradient as an output `<x>_grad`."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .. import segments
@@ -63,7 +64,7 @@ class Gradient(Pass):
         build.parameters, build.also = xs, us
         build.record(GradientResult(tuple(x.name for x in xs), tuple(u.name for u in us),
                                     dict(sorted(result.rules_used.items())), loop_segments, loop_schemes,
-                                    constants))
+                                    constants, parameter_copies(graph, xs)))
 
 
 def select_parameters(graph: Graph, heads: list[Value], reaches_loss: set[int], requires_grad,
@@ -97,6 +98,50 @@ def select_parameters(graph: Graph, heads: list[Value], reaches_loss: set[int], 
     order = {name: i for i, name in enumerate(graph.initializers)}
     order.update({v.name: len(order) + i for i, v in enumerate(graph.inputs) if v.name not in order})
     return sorted(xs, key=lambda v: order[v.name]), constants
+
+
+COPY_MIN_ELEMENTS = 4096  # smaller matrices may match by chance or by design (a shared init)
+
+
+def parameter_copies(graph: Graph, xs: list[Value]) -> tuple[tuple[str, str, str], ...]:
+    """Pairs of parameter matrices that hold the same values, or one the other's transpose, as (first, second,
+    "equal" or "transposed") in parameter order: most likely one weight the model ties that its exporter wrote
+    twice (the TorchScript exporter writes GPT-2's output layer as a transposed copy of the token table). Each is
+    then trained as a parameter of its own, and the two drift apart from the first update. Matrices of at least
+    COPY_MIN_ELEMENTS whose values are not all equal (zeros or ones as an initial value tie nothing), matched on
+    two corners before a full comparison."""
+    arrays = {}
+    for x in xs:
+        t = graph.initializers.get(x.name)
+        if t is None or len(t.dims) != 2 or t.dims[0] * t.dims[1] < COPY_MIN_ELEMENTS or x.elem_type is None:
+            continue
+        a = _matrix(t)
+        if a is not None:
+            arrays[x.name] = a
+    seen: dict[tuple, list[str]] = {}
+    pairs = []
+    for name, a in arrays.items():
+        for how, view in (("equal", a), ("transposed", a.T)):
+            key = (view.shape, view[:4, :4].tobytes(), view[-4:, -4:].tobytes())
+            for other in seen.get(key, ()):
+                b = arrays[other]
+                if other != name and np.array_equal(b, view) and b.min() != b.max():
+                    pairs.append((other, name, how))
+        seen.setdefault((a.shape, a[:4, :4].tobytes(), a[-4:, -4:].tobytes()), []).append(name)
+    return tuple(pairs)
+
+
+def _matrix(t) -> np.ndarray | None:
+    """The initializer's values, without a copy where they are raw bytes; None when they are not in memory."""
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        return None
+    try:
+        if t.raw_data:
+            dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+            return np.frombuffer(t.raw_data, dtype=dtype).reshape(tuple(t.dims))
+        return numpy_helper.to_array(t)
+    except (KeyError, TypeError, ValueError):  # an element type numpy does not hold
+        return None
 
 
 def scalar_constants(graph: Graph, candidates: list[str]) -> tuple[str, ...]:

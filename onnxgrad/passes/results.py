@@ -40,6 +40,8 @@ class GradientResult:
     loop_schemes: dict[str, LoopScheme] | None = None
     # floating-point scalar initializers on the loss's path, taken for constants (not differentiated) by default
     scalar_constants: tuple[str, ...] = ()
+    # parameter matrices holding the same values (first, second, "equal" or "transposed"): a tie written twice?
+    parameter_copies: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(frozen=True)
