@@ -230,6 +230,11 @@ def _model_flags(command):
                           "an exponent or a mask's fill value (the report lists them as scalar_constants). "
                           "Repeatable or comma-separated."),
         click.option("--frozen", metavar="NAME", multiple=True, help="Initializers that get no gradient."),
+        click.option("--tie-copies", is_flag=True,
+                     help="Train a parameter that holds the same values as an earlier one, or its transpose, as "
+                          "that one: a weight the model ties that its exporter wrote twice (the TorchScript exporter "
+                          "writes GPT-2's output layer as a transposed copy of the token table). Without it such "
+                          "pairs are trained apart, with a warning; the report lists them as parameter_copies."),
         click.option("--also-grad", metavar="NAME", multiple=True,
                      help="Intermediate values whose gradients are also output, as <NAME>_grad."),
         click.option("--input-shape", metavar="NAME=D1xD2..", multiple=True,
@@ -381,7 +386,8 @@ def _build_options(flags: dict, mirror: str | None, mirror_extra: dict | None = 
     if (save or recompute) and mirror is None:
         raise UsageError(f"{'--save' if save else '--recompute'}: needs --mirror (or the mirror command)")
     return Options(loss=f.pop("loss"), requires_grad=_names(f.pop("requires_grad")) or None,
-                   frozen=_names(f.pop("frozen")), also_grad=_names(f.pop("also_grad")),
+                   frozen=_names(f.pop("frozen")), tie_copies=f.pop("tie_copies"),
+                   also_grad=_names(f.pop("also_grad")),
                    input_shapes=_shapes(f.pop("input_shape")), dims=_dims(f.pop("dim")),
                    loop_bounds=_loop_bounds(f.pop("loop_bound")), mirror=mirror,
                    mirror_options={"save": save, "recompute": recompute, **(mirror_extra or {})},
@@ -435,9 +441,14 @@ def _build_and_write(command, options, model, output, external_data, report):
     log.info("%s: loss %s, %d parameters, %s nodes, %.2f s", out, result.loss.loss, len(result.gradient.parameters),
              " + ".join(counts), result.seconds)
     for first, second, how in result.gradient.parameter_copies:
-        log.warning("warning: parameters %r and %r hold the same values%s: one weight written twice by the "
-                    "exporter? They are trained apart and differ after the first update", first, second,
-                    " (one transposed)" if how == "transposed" else "")
+        same = " (one transposed)" if how == "transposed" else ""
+        if second in result.gradient.parameters:
+            log.warning("warning: parameters %r and %r hold the same values%s: one weight written twice by the "
+                        "exporter? They are trained apart and differ after the first update (--tie-copies trains "
+                        "them as one)", first, second, same)
+        else:
+            log.info("%s: %r holds the same values as %r%s: trained as that one (--tie-copies)", out, second,
+                     first, same)
     if log.isEnabledFor(logging.DEBUG):
         from .cuda import cuda_fallbacks
         for line in cuda_fallbacks(result.model):

@@ -18,6 +18,8 @@ class Options:
     the loss depends on); `frozen`: initializers that get none; `also_grad`: intermediate values whose
     gradients are also output. `input_shapes`, `dims`: input shapes and symbolic dimensions to bind.
     `loop_bounds`: Loop node name -> the most iterations it runs, for loops with a condition and no trip count.
+    `tie_copies`: read each parameter that holds the same values as an earlier one (or its transpose) as that
+    one, so that the weight an exporter wrote twice is trained as one (`passes.gradient.parameter_copies`).
     `feed_head_grads`: give scalar losses a `<loss>_grad` input too (instead of the constant 1).
 
     `loss_fn` ('mse', 'l1', 'cross-entropy', 'bce-with-logits') first appends a loss comparing the output
@@ -37,6 +39,7 @@ class Options:
     dims: dict[str, int] | None = None
     loop_bounds: dict[str, int] | None = None
     feed_head_grads: bool = False
+    tie_copies: bool = False
     loss_fn: str | None = None
     target: str | None = None
     loss_options: dict | None = None

@@ -316,6 +316,18 @@ def test_a_weight_written_twice_is_reported_and_warned(tmp_path, capfd):
     assert main(["build-grad", str(path), "-o", str(tmp_path / "t.onnx")]) == 0
     err = capfd.readouterr().err
     assert "warning: parameters 'E' and 'Et' hold the same values (one transposed)" in err
+    # --tie-copies: Et is read as Transpose(E), and E's gradient sums both uses (autograd's, with E tied)
+    import torch
+    tied = onnxgrad.build(model, tie_copies=True)
+    assert tied.report["parameters"] == ["E", "Z1", "Z2"] and "Et" not in {t.name for t in tied.model.graph.initializer}
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    got = dict(zip([o.name for o in tied.model.graph.output],
+                   runtime.session(tied.model).run(None, {"x": x})))
+    et = torch.tensor(e, dtype=torch.float64, requires_grad=True)
+    (torch.tensor(x, dtype=torch.float64) @ et.T @ et).sum().backward()
+    np.testing.assert_allclose(got["E_grad"], et.grad.numpy(), rtol=1e-4, atol=1e-4)
+    assert main(["build-grad", str(path), "-o", str(tmp_path / "t2.onnx"), "--tie-copies"]) == 0
+    assert "'Et' holds the same values as 'E' (one transposed): trained as that one" in capfd.readouterr().err
 
 
 def test_scalar_initializers_beside_tensors_are_constants_by_default():

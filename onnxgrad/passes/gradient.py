@@ -8,7 +8,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .. import segments
 from ..builder import Builder, Names
-from ..contract import BACKWARD, GRAD_SUFFIX
+from ..contract import BACKWARD, FORWARD, GRAD_SUFFIX
 from ..errors import UnsupportedError, UsageError
 from ..gradient import differentiate, reaching_heads
 from ..ir import Graph, Node, Value, names_defined_in
@@ -41,6 +41,10 @@ class Gradient(Pass):
             if loop_segments:
                 build.reaches_loss = reaching_heads(graph, heads)
         xs, constants = select_parameters(graph, heads, build.reaches_loss, o.requires_grad, o.frozen)
+        copies = parameter_copies(graph, xs)
+        if o.tie_copies and copies:
+            xs = tie_copies(graph, xs, copies, names)
+            build.reaches_loss = reaching_heads(graph, heads)
         us = [find_value(graph, name, "--also-grad") for name in o.also_grad or []]
         for u in us:
             if u.elem_type is not None and not u.is_float:
@@ -64,7 +68,7 @@ class Gradient(Pass):
         build.parameters, build.also = xs, us
         build.record(GradientResult(tuple(x.name for x in xs), tuple(u.name for u in us),
                                     dict(sorted(result.rules_used.items())), loop_segments, loop_schemes,
-                                    constants, parameter_copies(graph, xs)))
+                                    constants, copies))
 
 
 def select_parameters(graph: Graph, heads: list[Value], reaches_loss: set[int], requires_grad,
@@ -129,6 +133,37 @@ def parameter_copies(graph: Graph, xs: list[Value]) -> tuple[tuple[str, str, str
                     pairs.append((other, name, how))
         seen.setdefault((a.shape, a[:4, :4].tobytes(), a[-4:, -4:].tobytes()), []).append(name)
     return tuple(pairs)
+
+
+def tie_copies(graph: Graph, xs: list[Value], copies, names: Names) -> list[Value]:
+    """Read the second parameter of each pair as the first, or as Transpose(first) placed before its first
+    reader, and drop it: the weight is one parameter again, and its gradient sums both uses. Returns the
+    parameters left. A copy that a subgraph reads by name stays as it is."""
+    gone: set[str] = set()
+    for first, second, how in copies:
+        if first in gone or second in gone:
+            continue
+        f, s = graph.values[first], graph.values[second]
+        if any(i >= len(node.inputs) for node, i in s.uses) or s in graph.outputs:
+            continue
+        if how == "transposed":
+            readers = {id(node) for node, _ in s.uses}
+            t = Value(names.fresh(f"{second}_tied"), f.elem_type, None if f.shape is None else tuple(reversed(f.shape)))
+            node = Node("Transpose", [f], [t], names.fresh(f"{second}_tied/Transpose"),
+                        [helper.make_attribute("perm", [1, 0])], phase=FORWARD)
+            at = next((n for n in graph.nodes if id(n) in readers), None)
+            graph.replace_all_uses(s, t)
+            if at is None:
+                graph.add_node(node)
+            else:
+                graph.insert_before(at, [node])
+        else:
+            graph.replace_all_uses(s, f)
+        del graph.initializers[second]
+        del graph.values[second]
+        graph.inputs = [v for v in graph.inputs if v is not s]
+        gone.add(second)
+    return [x for x in xs if x.name not in gone]
 
 
 def _matrix(t) -> np.ndarray | None:
