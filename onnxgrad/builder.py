@@ -324,15 +324,15 @@ def sum_gradients(op: Builder, parts: list[Value]) -> tuple[Value, Value | None]
         dense = others[0] if len(others) == 1 else op.Sum(*others)
         shape = op.Shape(updates)
         spread = op.Expand(op.Unsqueeze(positions, op.ints([1])), shape)
-        if dense.rank == 2:
-            # no Reshape around it: onnxruntime would fuse one with the Transpose that makes a tied output
-            # layer's gradient into a node of its own, run after the whole backward with the Gemm's result alive
-            added = op.ScatterElements(dense, spread, updates, axis=0, reduction="add")
-            added.elem_type, added.shape = dense.elem_type, dense.shape
-            return added, part
-        flat = op.Reshape(dense, op.Concat(rows, op.Slice(shape, op.ints([1]), op.ints([2])), axis=0))
+        # a 2-D table gets no Reshape around it: onnxruntime would fuse one with the Transpose that makes a tied
+        # output layer's gradient into a node of its own, run after the whole backward with the Gemm's result alive
+        flat = dense if dense.rank == 2 else op.Reshape(
+            dense, op.Concat(rows, op.Slice(shape, op.ints([1]), op.ints([2])), axis=0))
         added = op.ScatterElements(flat, spread, updates, axis=0, reduction="add")
-        return op.Reshape(added, op.Shape(dense)), part
+        if flat is not dense:
+            return op.Reshape(added, op.Shape(dense)), part
+        added.elem_type, added.shape = dense.elem_type, dense.shape
+        return added, part
     return op.Sum(*parts), None
 
 

@@ -23,6 +23,7 @@ from onnxgrad.passes.expand import expand_cross_entropy
 from onnxgrad.protos import class_counts
 from onnxgrad.runtime import session_options
 from onnxgrad.shapes import type_everything
+from test_budget import optimized_by_onnxruntime
 
 N, C, D = 5, 7, 3
 
@@ -122,10 +123,4 @@ def test_the_seed_is_tied_once_and_onnxruntime_keeps_the_tie(tmp_path):
     ties = [n for n in mirrored.graph.node if "/after_loss/" in n.name and n.op_type == "Reshape"
             and any(i.startswith("seed/") and "/after_loss/" not in i for i in n.input)]
     assert len(ties) == 1
-    path, optimized = tmp_path / "mirrored.onnx", tmp_path / "optimized.onnx"
-    onnx.save(mirrored, path)
-    so, extra = session_options(mirrored, 1)
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.optimized_model_filepath = str(optimized)
-    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"], **extra)
-    assert ties[0].name in {n.name for n in onnx.load(optimized).graph.node}
+    assert ties[0].name in {n.name for n in optimized_by_onnxruntime(mirrored, tmp_path).graph.node}

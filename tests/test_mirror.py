@@ -239,6 +239,15 @@ def test_simulated_peak_matches_the_measured_one(tmp_path, mirror):
     assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted)
 
 
+def simulated_and_measured(model: onnx.ModelProto, path) -> tuple[int, int]:
+    """The dynamic peak of one run of `model` (saved at `path`): simulated, and measured in onnxruntime at
+    ORT_ENABLE_ALL."""
+    onnx.save(model, path)
+    graph = from_model(model)
+    type_everything(graph)
+    return simulate(graph).dynamic_peak, measure(path, level="ALL")["peak_bytes"]
+
+
 @pytest.mark.parametrize("reader", ["MatMul", "Gemm", "output"])
 def test_a_transpose_folded_into_its_matmul_is_never_allocated(tmp_path, reader):
     """y = x @ W^T with W a 16 MiB input: onnxruntime folds the Transpose into the MatMul (or the Gemm), so the
@@ -253,12 +262,7 @@ def test_a_transpose_folded_into_its_matmul_is_never_allocated(tmp_path, reader)
                                   h.make_tensor_value_info("W", TensorProto.FLOAT, [2048, 2048])],
                      outputs)
     model = h.make_model(g, opset_imports=[h.make_opsetid("", 18)], ir_version=8)
-    path = tmp_path / "m.onnx"
-    onnx.save(model, path)
-    graph = from_model(model)
-    type_everything(graph)
-    predicted = simulate(graph).dynamic_peak
-    measured = measure(path, level="ALL")["peak_bytes"]
+    predicted, measured = simulated_and_measured(model, tmp_path / "m.onnx")
     transposed = 2048 * 2048 * 4
     assert abs(measured - predicted) <= 0.1 * predicted, (measured, predicted)
     assert (predicted > transposed) == (measured > transposed) == (reader == "output"), (measured, predicted)
@@ -280,12 +284,7 @@ def test_the_input_gradient_of_a_transposed_weight_reads_the_weight(tmp_path):
                      [h.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [numpy_helper.from_array(w, "W")])
     train = onnxgrad.build_gradient(h.make_model(g, opset_imports=[h.make_opsetid("", 17)]), also_grad=["x"])
     assert not [n.name for n in train.graph.node if n.op_type == "Gemm" and "Wt" in n.input]
-    path = tmp_path / "head.onnx"
-    onnx.save(train, path)
-    graph = from_model(train)
-    type_everything(graph)
-    predicted = simulate(graph).dynamic_peak
-    measured = measure(path, level="ALL")["peak_bytes"]
+    predicted, measured = simulated_and_measured(train, tmp_path / "head.onnx")
     assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
 
 
@@ -301,12 +300,7 @@ def test_a_view_into_a_graph_output_is_a_copy(tmp_path, view):
     g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", TensorProto.FLOAT, [2048, 2048])],
                      [h.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
     model = h.make_model(g, opset_imports=[h.make_opsetid("", 18)], ir_version=8)
-    path = tmp_path / "m.onnx"
-    onnx.save(model, path)
-    graph = from_model(model)
-    type_everything(graph)
-    predicted = simulate(graph).dynamic_peak
-    measured = measure(path, level="ALL")["peak_bytes"]
+    predicted, measured = simulated_and_measured(model, tmp_path / "m.onnx")
     tensor = 2048 * 2048 * 4
     assert abs(measured - predicted) <= 0.1 * predicted, (measured, predicted)
     assert (predicted > 1.5 * tensor) == (measured > 1.5 * tensor) == (view != "Identity"), (measured, predicted)

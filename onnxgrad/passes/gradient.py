@@ -124,14 +124,16 @@ def parameter_copies(graph: Graph, xs: list[Value]) -> tuple[tuple[str, str, str
             arrays[x.name] = a
     seen: dict[tuple, list[str]] = {}
     pairs = []
-    for name, a in arrays.items():
+    def corners(m: np.ndarray) -> tuple:
+        return m.shape, m[:4, :4].tobytes(), m[-4:, -4:].tobytes()
+
+    for name, a in arrays.items():  # each against the matrices before it
         for how, view in (("equal", a), ("transposed", a.T)):
-            key = (view.shape, view[:4, :4].tobytes(), view[-4:, -4:].tobytes())
-            for other in seen.get(key, ()):
+            for other in seen.get(corners(view), ()):
                 b = arrays[other]
-                if other != name and np.array_equal(b, view) and b.min() != b.max():
+                if np.array_equal(b, view) and b.min() != b.max():
                     pairs.append((other, name, how))
-        seen.setdefault((a.shape, a[:4, :4].tobytes(), a[-4:, -4:].tobytes()), []).append(name)
+        seen.setdefault(corners(a), []).append(name)
     return tuple(pairs)
 
 
