@@ -4,14 +4,16 @@ exact (Checkmate MILP) optimum on small problems.
     .venv/bin/python bench/bench_solver.py [--sizes 100,1000,10000] [--milp-time 60] [--no-milp]
     .venv/bin/python bench/bench_solver.py --solvers [--cp-time 60]     # every solver against the optimum, and
                                                                         # the Gemm+Tanh chains
-    .venv/bin/python bench/bench_solver.py --front [--front-sizes 100,500,10000] [--against DIR]
+    .venv/bin/python bench/bench_solver.py --bound 150 [--milp-time 20]  # the lower bound against HiGHS's optima
+    .venv/bin/python bench/bench_solver.py --front [--front-sizes 100,500,10000] [--front-seeds 1,2] [--against DIR]
                                                         # CPU seconds of `solvers.front` and a digest of its front
 
-`--front`: for uniform chains and random training DAGs (seed 1) of n forward ops, the CPU seconds of
-`solvers.front` (best of 3, `time.process_time`), its number of points and a digest of their (peak, cost). With
-`--against DIR`, the same in a fresh process that imports the `onnxgrad` under DIR (another checkout: the peer),
-run problem by problem beside this tree's, with the ratio of the times and whether the cheapest cost at every
-budget is the same or lower here ("same": the identical front).
+`--front`: for uniform chains and random training DAGs (`--front-seeds`, default 1) of n forward ops, the CPU
+seconds of `solvers.front` (best of 3, `time.process_time`), its number of points and a digest of their (peak,
+cost). With `--against DIR`, the same in a fresh process that imports the `onnxgrad` under DIR (another checkout:
+the peer), run problem by problem beside this tree's, with the ratio of the times and the two fronts compared at
+every budget between them: where this one is cheaper or costlier, where only one fits, and the geometric mean and
+worst of (extra cost + 1) / (the peer's + 1) where both fit ("same": the identical front).
 
 `--sizes ''` skips the scale table.
 
@@ -119,8 +121,8 @@ def solvers_table(cp_time: float, milp_time: float) -> None:
     problems += [(f"dag 10 seed {s}", random_training_dag(10, s)) for s in (1, 11)]
     problems += [("dag 30 seed 4", random_training_dag(30, 4))]
     print("| problem | ops | budget | fast extra | fast s | dp extra | dp s | exact extra (status, gap) | exact s | "
-          "optimum | fast / optimum | dp / optimum |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "optimum | bound | fast / optimum | dp / optimum |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, problem in problems:
         started = time.perf_counter()
         fast = solvers.front(problem)
@@ -146,8 +148,38 @@ def solvers_table(cp_time: float, milp_time: float) -> None:
                 return "1.000" if s.extra_cost == optimum else (f"{s.extra_cost / optimum:.3f}" if optimum else "inf")
             print(f"| {name} | {problem.n} | {budget} | {f.extra_cost:g} | {fast_s:.2f} | "
                   f"{'none' if d is None else f'{d.extra_cost:g}'} | {dp_s:.2f} | {exact.extra_cost:g} ({exact.status}, "
-                  f"{exact.gap:.0%}) | {cp_s:.1f} | {'-' if optimum is None else f'{optimum:g}'} | {ratio(f)} | "
-                  f"{ratio(d)} |", flush=True)
+                  f"{exact.gap:.0%}) | {cp_s:.1f} | {'-' if optimum is None else f'{optimum:g}'} | "
+                  f"{solvers.extra_cost_bound(problem, budget):.4g} | {ratio(f)} | {ratio(d)} |", flush=True)
+
+
+def bound_table(problems: int, milp_time: float) -> None:
+    """`extra_cost_bound` against HiGHS's proven optima on random training DAGs of 2-8 forward ops (random skips,
+    reach, fixed ops and static bytes; seeds 0..problems-1) at four budgets each from the floor to the plain peak:
+    how often the bound is the optimum, how far below it is otherwise, and any case above it (a bug)."""
+    import random
+    rows = []
+    for seed in range(problems):
+        rng = random.Random(seed)
+        problem = random_training_dag(rng.randint(2, 8), seed, skip=rng.random(), reach=rng.randint(0, 5),
+                                      fixed=rng.random() * 0.3, static_bytes=rng.randint(0, 5))
+        low, top = solvers.floor(problem), problem.baseline_peak
+        for budget in sorted({low, low + (top - low) // 4, (low + top) // 2, top - 1}):
+            if budget < low:
+                continue
+            try:
+                exact = solvers.solve_milp(problem, budget, time_limit=milp_time)
+            except solvers.SolverTimeout:
+                continue
+            if exact is None or exact.status != "optimal":
+                continue
+            rows.append((solvers.extra_cost_bound(problem, budget), exact.extra_cost))
+    above = sum(b > e + 1e-9 for b, e in rows)
+    tight = sum(abs(b - e) <= 1e-9 for b, e in rows)
+    positive = [(b, e) for b, e in rows if e > 0]
+    mean = sum(b / e for b, e in positive) / len(positive) if positive else 1.0
+    print("| proven optima | bound = optimum | bound / optimum where the optimum > 0: mean, least | bound > optimum |")
+    print("|---|---|---|---|")
+    print(f"| {len(rows)} | {tight} | {mean:.3f}, {min((b / e for b, e in positive), default=1.0):.3f} | {above} |")
 
 
 def tanh_table(cp_time: float) -> None:
@@ -155,8 +187,8 @@ def tanh_table(cp_time: float) -> None:
     peak: the floor and the least peak found, the fast and DP plans in extra forward passes, and CP-SAT from the
     fast plan."""
     print("| problem | ops | budget | floor | least peak (fast) | fast s | fast extra fwd | dp extra fwd | "
-          "CP-SAT extra fwd (status, gap) | CP-SAT s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "CP-SAT extra fwd (status, gap) | CP-SAT s | bound, extra fwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for layers, fractions in ((10, (0.45, 0.4925, 0.55, 0.7)), (32, (0.3, 0.316, 0.339, 0.5))):
         bp, peak = tanh_chain(layers)
         problem = bp.problem
@@ -179,63 +211,88 @@ def tanh_table(cp_time: float) -> None:
                 cp_s = time.perf_counter() - started
             cp = "below the floor" if budget < low else (
                 "none" if exact is None else f"{passes(exact)} ({exact.status}, {exact.gap:.0%})")
+            bound = solvers.extra_cost_bound(problem, budget)
             print(f"| tanh chain {layers} | {problem.n} | {fraction}x | {low / peak:.4f}x | "
-                  f"{fast.least_peak / peak:.4f}x | {fast_s:.2f} | {passes(f)} | {passes(d)} | {cp} | {cp_s:.1f} |",
-                  flush=True)
+                  f"{fast.least_peak / peak:.4f}x | {fast_s:.2f} | {passes(f)} | {passes(d)} | {cp} | {cp_s:.1f} | "
+                  f"{'-' if bound is None else f'{bound / bp.forward_cost:.3f}'} |", flush=True)
 
 
-def front_problem(kind: str, n: int):
-    return chain(n) if kind == "chain" else random_training_dag(n, 1)
+def front_problem(kind: str, n: int, seed: int = 1):
+    return chain(n) if kind == "chain" else random_training_dag(n, seed)
 
 
-def measure_front(kind: str, n: int, repeat: int = 3) -> dict:
+def measure_front(kind: str, n: int, repeat: int = 3, seed: int = 1) -> dict:
     """CPU seconds of `solvers.front` on a fresh problem (best of `repeat`), and the front's (peak, cost)s."""
     best, points = math.inf, []
     for _ in range(repeat):
-        problem = front_problem(kind, n)  # fresh: nothing the problem caches carries over between runs
+        problem = front_problem(kind, n, seed)  # fresh: nothing the problem caches carries over between runs
         started = time.process_time()
         front = solvers.front(problem)
         best = min(best, time.process_time() - started)
         points = [(c.peak, c.cost) for c in front.points]
-    return {"seconds": best, "points": points, "ops": problem.n}
+    return {"seconds": best, "points": points, "ops": problem.n, "base": problem.baseline_cost}
 
 
 def digest(points: list) -> str:
     return hashlib.sha1(repr([(p, round(c, 6)) for p, c in points]).encode()).hexdigest()[:10]
 
 
-def never_costlier(points: list, peer: list) -> bool:
-    """At every budget (each peak of either front), the cheapest cost of `points` is at most the peer's."""
-    def cheapest(front, budget):
-        return min((c for p, c in front if p <= budget), default=math.inf)
-    return all(cheapest(points, b) <= cheapest(peer, b) + 1e-9 * (1 + abs(cheapest(peer, b)))
-               for b in sorted({p for p, _ in points + peer}))
+def _cheapest(front: list, budget: int) -> float:
+    return min((c for p, c in front if p <= budget), default=math.inf)
 
 
-def front_table(sizes: list[int], against: str | None) -> None:
-    head = "| problem | ops | s |" if against is None else "| problem | ops | peer s | s | peer / this | front |"
+def compare(points: list, peer: list, base: float) -> dict:
+    """The two fronts at every budget from the lower of their least peaks to the higher of their top peaks: at
+    how many this front is cheaper or costlier (extra cost over `base`), reaches where the peer does not or the
+    other way round, and the ratio of extra costs ((this + 1) / (peer + 1), in the problem's cost units) at the
+    budgets both reach: geometric mean and worst."""
+    budgets = range(min(points[0][0], peer[0][0]), max(points[-1][0], peer[-1][0]) + 1)
+    out = {"budgets": 0, "cheaper": 0, "costlier": 0, "only this": 0, "only peer": 0, "ratios": []}
+    for b in budgets:
+        this, other = _cheapest(points, b) - base, _cheapest(peer, b) - base
+        out["budgets"] += 1
+        if math.isinf(this) or math.isinf(other):
+            key = None if math.isinf(this) and math.isinf(other) else ("only peer" if math.isinf(this) else "only this")
+            if key:
+                out[key] += 1
+            continue
+        tol = 1e-9 * (1 + abs(other))
+        out["cheaper"] += this < other - tol
+        out["costlier"] += this > other + tol
+        out["ratios"].append((this + 1) / (other + 1))
+    return out
+
+
+def front_table(sizes: list[int], against: str | None, seeds: list[int]) -> None:
+    head = "| problem | ops | s |" if against is None else ("| problem | ops | peer s | s | peer / this | budgets | "
+                                                          "cheaper | costlier | only this, only peer fits | "
+                                                          "extra cost / peer's: geo mean, worst |")
     print(head + " points | digest |")
     print("|---" * (head.count("|") + 1) + "|")
     for kind in ("chain", "dag"):
         for n in sizes:
-            peer = None
-            if against is not None:
-                out = subprocess.run([sys.executable, __file__, "--front-one", f"{kind}:{n}", "--code", against],
-                                     check=True, capture_output=True, text=True,
-                                     env={**os.environ, "PYTHONPATH": against}).stdout
-                peer = json.loads(out.strip().splitlines()[-1])
-            this = measure_front(kind, n)
-            cells = [f"{kind} {n}", str(this["ops"])]
-            if peer is not None:
-                pts, other = [tuple(x) for x in this["points"]], [tuple(x) for x in peer["points"]]
-                verdict = "same" if pts == other else ("never costlier" if never_costlier(pts, other)
-                                                       else "COSTLIER somewhere")
-                cells += [f"{peer['seconds']:.2f}", f"{this['seconds']:.2f}",
-                          f"{peer['seconds'] / this['seconds']:.2f}", verdict]
-            else:
-                cells.append(f"{this['seconds']:.2f}")
-            cells += [str(len(this["points"])), digest(this["points"])]
-            print("| " + " | ".join(cells) + " |", flush=True)
+            for seed in (seeds if kind == "dag" else [1]):
+                peer = None
+                if against is not None:
+                    out = subprocess.run([sys.executable, __file__, "--front-one", f"{kind}:{n}:{seed}", "--code",
+                                          against], check=True, capture_output=True, text=True,
+                                         env={**os.environ, "PYTHONPATH": against}).stdout
+                    peer = json.loads(out.strip().splitlines()[-1])
+                this = measure_front(kind, n, seed=seed)
+                cells = [f"{kind} {n}" + (f" seed {seed}" if kind == "dag" else ""), str(this["ops"])]
+                if peer is not None:
+                    pts, other = [tuple(x) for x in this["points"]], [tuple(x) for x in peer["points"]]
+                    c = compare(pts, other, this["base"])
+                    ratios = c["ratios"] or [1.0]
+                    geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+                    cells += [f"{peer['seconds']:.2f}", f"{this['seconds']:.2f}",
+                              f"{peer['seconds'] / this['seconds']:.2f}", str(c["budgets"]),
+                              str(c["cheaper"]), str(c["costlier"]), f"{c['only this']}, {c['only peer']}",
+                              "same" if pts == other else f"{geo:.3f}, {max(ratios):.2f}"]
+                else:
+                    cells.append(f"{this['seconds']:.2f}")
+                cells += [str(len(this["points"])), digest(this["points"])]
+                print("| " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
@@ -246,17 +303,24 @@ def main() -> None:
     parser.add_argument("--solvers", action="store_true", help="only the table of every solver against the optimum")
     parser.add_argument("--cp-time", type=float, default=60.0)
     parser.add_argument("--front", action="store_true", help="only the CPU seconds and digest of solvers.front")
+    parser.add_argument("--bound", type=int, metavar="N",
+                        help="only extra_cost_bound against HiGHS's optima on N small random DAGs")
     parser.add_argument("--front-sizes", default="100,500,10000")
     parser.add_argument("--against", metavar="DIR", help="with --front: also time the onnxgrad under DIR")
-    parser.add_argument("--front-one", help=argparse.SUPPRESS)  # kind:n, as JSON (the peer's process)
+    parser.add_argument("--front-seeds", default="1", help="with --front: the random DAGs' seeds (comma-separated)")
+    parser.add_argument("--front-one", help=argparse.SUPPRESS)  # kind:n:seed, as JSON (the peer's process)
     parser.add_argument("--code", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.front_one:
-        kind, n = args.front_one.split(":")
-        print(json.dumps(measure_front(kind, int(n))))
+        kind, n, seed = args.front_one.split(":")
+        print(json.dumps(measure_front(kind, int(n), seed=int(seed))))
+        return
+    if args.bound:
+        bound_table(args.bound, args.milp_time)
         return
     if args.front:
-        front_table([int(s) for s in args.front_sizes.split(",")], args.against)
+        front_table([int(s) for s in args.front_sizes.split(",")], args.against,
+                    [int(s) for s in args.front_seeds.split(",")])
         return
     if args.solvers:
         solvers_table(args.cp_time, args.milp_time)

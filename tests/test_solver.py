@@ -96,9 +96,12 @@ def test_simulate_matches_the_definition(seed, forward, extra):
         needed = sorted(_ancestors(problem, op) & set(movable)) + [op]
         schedule = schedule[:at] + needed + schedule[at:]
     validate(problem, schedule)
-    peak = simulate(problem, schedule).peak
+    sim = simulate(problem, schedule)
+    peak = sim.peak
     assert peak == _reference_peak(problem, schedule)
     assert floor(problem) <= peak
+    # every schedule whose first runs keep the baseline order costs at least the bound at its own peak
+    assert solvers.extra_cost_bound(problem, peak) <= sim.cost - problem.baseline_cost + 1e-9
 
 
 def _ancestors(problem: Problem, op: int) -> set[int]:
@@ -182,6 +185,7 @@ def test_fast_solver_fits_and_is_monotone(seed, forward, kind, fractions):
             continue
         validate(problem, solution.schedule)
         assert solution.peak == simulate(problem, solution.schedule).peak <= budget
+        assert solvers.extra_cost_bound(problem, budget) <= solution.extra_cost + 1e-9
         costs.append(solution.cost)
     assert costs == sorted(costs, reverse=True), "cost rose with the budget"
     # store-all fits the unmirrored peak, at no extra cost
@@ -238,6 +242,7 @@ def test_fast_solver_within_5_percent_of_the_milp(kind, size, seed):
             assert fast is None, "the fast solver fits a budget the exact one calls infeasible"
             continue
         assert exact.status == "optimal"
+        assert solvers.extra_cost_bound(problem, budget) <= exact.extra_cost + 1e-9
         validate(problem, exact.schedule)
         assert exact.peak <= budget
         assert fast is not None, f"budget {budget}: the MILP fits it, the fast solver does not"

@@ -286,8 +286,9 @@ class BudgetReport:
     cost_units: str
     solver: str
     status: str
-    gap: float | None
+    gap: float | None  # (extra cost - extra_cost_bound) / extra cost, or the exact solver's own where it proved more
     extra_cost: float | None = None
+    extra_cost_bound: float | None = None  # no schedule under the budget recomputes for less (`extra_cost_bound`)
     forward_cost: float = 0.0
     extra_forward_passes: float | None = None
     extra_flops: float | None = None
@@ -353,14 +354,19 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     wanted = budget.resolve(options.fraction_of or unmirrored_peak)
     units = COST_UNITS[options.cost]
 
-    def report(solution: solvers.Solution | None, peak: int | None, found: int | None) -> BudgetReport:
+    def report(solution: solvers.Solution | None, peak: int | None, found: int | None,
+               problem_budget: int | None = None) -> BudgetReport:
         extra = solution.extra_cost if solution is not None else None
+        bound = solvers.extra_cost_bound(problem, problem_budget) if problem_budget is not None else None
+        gap = solution.gap if solution is not None else None
+        if gap is None and extra is not None and bound is not None:
+            gap = max(0.0, (extra - bound) / extra) if extra > 0 else 0.0
         return BudgetReport(
             fits=solution is not None, budget=budget.text, budget_bytes=wanted, floor_bytes=least,
             least_peak_found_bytes=found, predicted_peak_bytes=peak, unmirrored_peak_bytes=unmirrored_peak,
             cost_units=units, solver=solution.solver if solution else options.solver,
-            status=solution.status if solution else "no schedule", gap=solution.gap if solution else None,
-            extra_cost=extra, forward_cost=bp.forward_cost,
+            status=solution.status if solution else "no schedule", gap=gap,
+            extra_cost=extra, extra_cost_bound=bound, forward_cost=bp.forward_cost,
             extra_forward_passes=(extra / bp.forward_cost if bp.forward_cost else 0.0) if extra is not None else None,
             extra_flops=(sum(flops.flops(bp.nodes[k]) * r for k, r in solution.recomputed.items())
                          if solution is not None else None),
@@ -429,7 +435,9 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     if solution is None:
         r = report(None, None, found)
         raise BudgetError(_no_schedule(budget, wanted, least, options.solver, found, options.max_extra_passes), r)
-    return _result(plan, report(solution, peak, found))
+    # the bound at the problem's budget (auto: at the peak chosen, which the problem measures unless MXNet's plan won)
+    problem_budget = target if target is not None else (None if better else solution.peak)
+    return _result(plan, report(solution, peak, found, problem_budget))
 
 
 def _result(plan: Plan, report: BudgetReport) -> BudgetResult:

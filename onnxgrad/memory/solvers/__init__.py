@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from . import dp
 from .exact import solve_exact
 from .fast import DEFAULT_WORK, fast_front
-from .front import Candidate, Front, Pool, best_under
+from .front import Candidate, Front, OutOfWork, Pool, best_under
 from .milp import SolverTimeout, solve_milp
-from .problem import (DROP, HOLD, REUSE, SHORT, Problem, Simulation, Solution, build_schedule, floor,  # noqa: F401
-                      make_solution, narrow_points, plan_entry, plan_of_classes, profile, simulate, validate)
+from .problem import (DROP, HOLD, REUSE, SHORT, Problem, Simulation, Solution, build_schedule,  # noqa: F401
+                      extra_cost_bound, floor, make_solution, narrow_points, necessary_bytes, plan_entry,
+                      plan_of_classes, profile, simulate, validate)
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,17 @@ The program's memory is never below the simulator's: the simulator frees an outp
 and lets a reader take the latest copy, which only shortens what the program holds (copies of one op have one
 size). So the schedule of a solution fits the budget the simulator checks. The search starts from a hint (the
 fast solver's schedule), so its answer is never worse; at the time limit it returns the best schedule found,
-with the gap between its extra cost and the proven lower bound. CP-SAT with several workers may return
-different optimal schedules of equal cost from run to run; a single worker is deterministic.
+with the gap between its extra cost and the proven lower bound: CP-SAT's own, or `extra_cost_bound`'s where that
+is higher (CP-SAT's bound often stays at 0). A hint that meets `extra_cost_bound` is optimal as it stands and is
+returned without a search. CP-SAT with several workers may return different optimal schedules of equal cost from
+run to run; a single worker is deterministic.
 """
 from __future__ import annotations
 
 import math
 
 from ...errors import UsageError
-from .problem import Problem, Solution, make_solution, profile
+from .problem import Problem, Solution, extra_cost_bound, make_solution, profile
 
 COPIES = 3  # runs allowed per movable op (one run plus two recomputations); the hint may raise it per op
 
@@ -45,9 +47,12 @@ def solve_exact(problem: Problem, budget: int, time_limit: float = 60.0, hint: S
         return make_solution(problem, [], "exact", 0.0, "optimal")
     reads, movable, size, keep = problem.reads, problem.movable, problem.size, problem.keep
     runs = [copies if movable[v] else 1 for v in range(n)]
+    bound = extra_cost_bound(problem, budget)
+    if bound is None:
+        return None
+    if hint is not None and hint.extra_cost <= bound + 1e-9 * (1 + abs(bound)):
+        return _with_gap(problem, hint, bound, "optimal")  # the hint meets the lower bound: nothing to search
     if hint is not None:
-        for v in hint.schedule:
-            pass
         counts: dict[int, int] = {}
         for v in hint.schedule:
             counts[v] = counts.get(v, 0) + 1
@@ -130,7 +135,7 @@ def solve_exact(problem: Problem, budget: int, time_limit: float = 60.0, hint: S
             return None
         if hint is None:
             return None
-        return _with_gap(problem, hint, solver.BestObjectiveBound() / scale, "feasible")
+        return _with_gap(problem, hint, max(bound, solver.BestObjectiveBound() / scale), "feasible")
     occurrences = sorted((solver.Value(start[v][k]), v) for v in range(n) for k in range(runs[v])
                          if k == 0 or solver.Value(present[v][k]))
     schedule = [v for _, v in occurrences]
@@ -140,12 +145,14 @@ def solve_exact(problem: Problem, budget: int, time_limit: float = 60.0, hint: S
         raise AssertionError(f"exact: the schedule's simulated peak {solution.peak} exceeds the budget {budget}")
     if hint is not None and hint.cost < solution.cost - 1e-9 * (1 + abs(hint.cost)):
         solution = hint
-    return _with_gap(problem, solution, solver.BestObjectiveBound() / scale,
+    return _with_gap(problem, solution, max(bound, solver.BestObjectiveBound() / scale),
                      "optimal" if code == cp_model.OPTIMAL else "feasible")
 
 
 def _with_gap(problem: Problem, solution: Solution, bound: float, status: str) -> Solution:
     extra = max(solution.extra_cost, 0.0)
+    if extra <= bound + 1e-9 * (1 + abs(bound)):
+        status = "optimal"  # the schedule meets a lower bound: proven, whatever stopped the search
     gap = 0.0 if status == "optimal" or extra <= 0 else max(0.0, (extra - bound) / extra)
     return Solution(solution.schedule, solution.peak, solution.cost, solution.extra_cost, solution.recomputed,
                     "exact", 0.0 if status == "optimal" else gap, status)

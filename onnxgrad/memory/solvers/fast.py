@@ -103,6 +103,20 @@ def _local_search(problem: Problem, pool: Pool, grid: list[int], pairs: bool) ->
             _improve(pool, start, budget, pairs)
 
 
+def _lower(pool: Pool, low: int) -> None:
+    """Lower the least peak known, one byte at a time: repair the plan of least peak to fit one byte under it
+    and improve what fits, until a repair fails or the peak reaches `low`."""
+    while True:
+        least = pool.least_peak()
+        budget = pool.seen[least][0] - 1
+        if budget < low:
+            return
+        repaired = _descend(pool, least, budget)
+        if repaired is None:
+            return
+        _improve(pool, repaired, budget, pairs=False)
+
+
 PERTURBATION_ROUNDS = 4
 
 
@@ -244,8 +258,14 @@ def fast_front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 12
             pool.source = "local search"
             low = max(floor(problem), 1)
             top = max(p for p, _ in pool.seen.values())
-            grid = sorted({int(low + (top - low) * j / grid_points) for j in range(grid_points + 1)}, reverse=True)
+            grid = sorted({int(low + (top - low) * j / grid_points) for j in range(grid_points)})
+            # half the work walks the grid down from the plain peak (at each budget, a climb from the least peak
+            # traces the front's low end); the rest walks it up from the floor, each budget starting from the
+            # cheapest plan that fit the one below (the middle of the front); then the least peak is lowered
+            with pool.share(0.5):
+                _local_search(problem, pool, grid[::-1], pairs=False)
             _local_search(problem, pool, grid, pairs=False)
+            _lower(pool, low)
             for pairs in (False, True):
                 grid = sorted({c.peak - 1 for c in pool.candidates() if c.peak - 1 >= low}, reverse=True)
                 _local_search(problem, pool, grid, pairs)

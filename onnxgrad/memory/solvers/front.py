@@ -5,6 +5,7 @@ problem. Along it the peak rises and the cost falls, so `best_under` never pays 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,6 +56,20 @@ class Pool:
         if self.keep_profiles:
             self.profiles[plan] = during
         return peak, cost
+
+    @contextmanager
+    def share(self, fraction: float):
+        """Within the block, the work limit is `fraction` of the work left; a search that uses its share ends
+        the block, not the caller's search."""
+        limit = self.work_limit
+        self.work_limit = min(limit, self.work + int((limit - self.work) * fraction))
+        try:
+            yield
+        except OutOfWork:
+            if self.work_limit >= limit:
+                raise
+        finally:
+            self.work_limit = limit
 
     def scored(self, plan: tuple[int, ...], budget: int) -> tuple[int, float, int]:
         """(peak, cost, bytes over `budget` summed over the steps)."""

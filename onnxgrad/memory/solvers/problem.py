@@ -22,6 +22,7 @@ recomputed, then kept from the stage whose backward sweep stores it), which the 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -313,10 +314,15 @@ def floor(problem: Problem) -> int:
     lives across i (the backward's gradients in flight). The floor is the largest of these sums; it is a lower
     bound, not always reachable (a budget between it and the true least peak gets no schedule from the
     solvers)."""
+    if problem.n == 0:
+        return problem.static_bytes
+    return max(max(necessary_bytes(problem)), problem.static_bytes + sum(problem.size[k] for k in problem.keep))
+
+
+def necessary_bytes(problem: Problem) -> list[int]:
+    """Per op, the bytes live in any schedule while it runs (see `floor`), static bytes included."""
     n = problem.n
     keep, size, reads = problem.keep, problem.size, problem.reads
-    if n == 0:
-        return problem.static_bytes
     # kept ancestors as bitsets (Python ints): cheap for the tens or thousands of kept outputs of a real graph
     bit = {k: 1 << j for j, k in enumerate(sorted(keep))}
     kept_size = {1 << j: size[k] for j, k in enumerate(sorted(keep))}
@@ -336,11 +342,11 @@ def floor(problem: Problem) -> int:
         return total
 
     recomputable = problem.recomputable
-    last_fixed_reader = [max((u for u in problem.users[j] if not recomputable[u]), default=-1) for j in range(n)]
+    last_fixed_reader = _last_fixed_reader(problem)
     closing: dict[int, list[int]] = {}
     in_flight: set[int] = set()  # outputs of non-recomputable ops that a later non-recomputable op reads
     in_flight_bytes = 0
-    best = problem.static_bytes + sum(size[k] for k in keep)
+    out = []
     for i in range(n):
         mask = 0
         for j in reads[i]:
@@ -363,8 +369,132 @@ def floor(problem: Problem) -> int:
                 in_flight.add(i)
                 in_flight_bytes += size[i]
                 closing.setdefault(last_fixed_reader[i], []).append(i)
-        best = max(best, problem.static_bytes + working)
+        out.append(problem.static_bytes + working)
+    return out
+
+
+def _last_fixed_reader(problem: Problem) -> list[int]:
+    """Per op, its last reader that is not recomputable (-1: none)."""
+    recomputable = problem.recomputable
+    return [max((u for u in readers if not recomputable[u]), default=-1) for readers in problem.users]
+
+
+def extra_cost_bound(problem: Problem, budget: int) -> float | None:
+    """A lower bound on the extra cost of any schedule under `budget` whose ops first run in the baseline order
+    (every solver's schedules do); None when no schedule fits.
+
+    Take an op k that runs once (not movable). Every movable value v made before k that an op running once after
+    k reads, and that k does not read itself, is either live while k runs, or recomputed after k (its first run
+    is over), at a cost of at least `_price_per_byte` times its bytes. While k runs, `necessary_bytes` are live
+    besides; so the values kept across k fit in the budget less those bytes, and the rest cost their runs. The
+    cheapest choice, with values taken fractionally (the cheapest per byte dropped first), bounds the extra cost
+    from below, and so does the largest such bound over k. It does not count recomputations nested inside
+    others (revolve's inner levels) nor inputs shared between values, so it is not tight; on a chain it is exact
+    for one level of recomputation."""
+    n = problem.n
+    if n == 0:
+        return 0.0 if budget >= problem.static_bytes else None
+    necessary = necessary_bytes(problem)
+    if budget < max(necessary) or budget < problem.static_bytes + sum(problem.size[k] for k in problem.keep):
+        return None
+    movable, size, cost, reads = problem.movable, problem.size, problem.cost, problem.reads
+    last_reader = _last_fixed_reader(problem)
+    price = _price_per_byte(problem, last_reader)
+    # the values that may need dropping, by cost per byte (a value of no bytes is free to keep)
+    ranked = sorted((v for v in range(n) if movable[v] and size[v] > 0 and last_reader[v] > v),
+                    key=lambda v: (price[v], v))
+    rank = {v: r for r, v in enumerate(ranked)}
+    tree = _Fenwick(len(ranked))
+    leaving: dict[int, list[int]] = {}
+    best = 0.0
+    for k in range(n):
+        for v in leaving.pop(k, ()):
+            tree.add(rank[v], -size[v], -price[v] * size[v])
+        if not movable[k]:
+            held = [v for v in reads[k] if v in rank and v < k < last_reader[v]]
+            for v in held:
+                tree.add(rank[v], -size[v], -price[v] * size[v])
+            drop = tree.total_size - (budget - necessary[k])
+            if drop > 0:
+                best = max(best, tree.cheapest(drop))
+            for v in held:
+                tree.add(rank[v], size[v], price[v] * size[v])
+        if k in rank:  # from the next op on, k's output is made and a later fixed op reads it
+            tree.add(rank[k], size[k], price[k] * size[k])
+            leaving.setdefault(last_reader[k], []).append(k)
     return best
+
+
+def _price_per_byte(problem: Problem, last_reader: list[int]) -> list[float]:
+    """Per movable op v, a lower bound on the cost per byte of not keeping v: recomputing v needs its inputs,
+    and an input that only v reads, and that no op running once reads, is private to v: it is kept in v's place
+    (freeing the difference) or recomputed as well. Along v's chain of private inputs (each the only movable input
+    of the one before), the least cost per byte freed over those choices; other inputs are taken as free."""
+    n = problem.n
+    movable, size, cost, users = problem.movable, problem.size, problem.cost, problem.users
+    reads = problem.movable_reads
+    price = [0.0] * n
+    for v in range(n):
+        if not movable[v] or size[v] == 0:
+            continue
+        best, spent, u = math.inf, cost[v], v
+        while len(reads[u]) == 1 and len(users[reads[u][0]]) == 1 and last_reader[reads[u][0]] < 0:
+            w = reads[u][0]
+            freed = size[v] - size[w]  # keep w in v's place
+            if freed > 0:
+                best = min(best, spent / freed)
+            spent += cost[w]  # or recompute it as well
+            u = w
+        price[v] = min(best, spent / size[v])  # u's inputs are taken as free
+    return price
+
+
+class _Fenwick:
+    """Sizes and costs by rank, with prefix sums: the cost of dropping the cheapest `bytes` (fractionally)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.size = [0] * (n + 1)
+        self.cost = [0.0] * (n + 1)
+        self.item_size = [0] * n
+        self.item_cost = [0.0] * n
+        self.total_size = 0
+        self.top = 1 << max(n.bit_length() - 1, 0) if n else 0
+
+    def add(self, r: int, size: int, cost: float) -> None:
+        self.item_size[r] += size
+        self.item_cost[r] += cost
+        self.total_size += size
+        i = r + 1
+        while i <= self.n:
+            self.size[i] += size
+            self.cost[i] += cost
+            i += i & -i
+
+    def _prefix_cost(self, i: int) -> float:
+        total = 0.0
+        while i > 0:
+            total += self.cost[i]
+            i -= i & -i
+        return total
+
+    def cheapest(self, bytes_: int) -> float:
+        """The cost of the cheapest-per-byte items whose sizes sum to `bytes_` (the last one taken in part)."""
+        if bytes_ >= self.total_size:
+            return self._prefix_cost(self.n)
+        # the longest prefix of ranks whose sizes sum below bytes_
+        pos, taken_size, taken_cost = 0, 0, 0.0
+        step = self.top
+        while step:
+            nxt = pos + step
+            if nxt <= self.n and taken_size + self.size[nxt] < bytes_:
+                pos = nxt
+                taken_size += self.size[nxt]
+                taken_cost += self.cost[nxt]
+            step >>= 1
+        # the item at rank pos (0-based) completes it
+        part = (bytes_ - taken_size) / self.item_size[pos]
+        return taken_cost + part * self.item_cost[pos]
 
 
 # ---------------------------------------------------------------------------------------------------------------
