@@ -4,6 +4,7 @@ peak keeps to the budget."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -76,8 +77,13 @@ def test_gradients_are_unchanged_under_a_budget(tail_model, ladder):
 
 def test_a_budget_below_the_floor_says_the_floor(tail_model, ladder):
     with pytest.raises(UsageError, match=r"--budget 1kB: 1\.0 KiB is below the least peak any schedule can "
-                                         r"reach, \d+\.\d KiB \(\d+\.\d KiB of weights and inputs"):
+                                         r"reach, \d+\.\d KiB \(\d+\.\d KiB of weights and inputs") as e:
         budgeted(tail_model, "1kB")
+    # the floor in its parts, where it is reached: they add up to it, and the node is named
+    floor_text, parts = re.search(r"reach, ([\d.]+) KiB \((.*)\)$", str(e.value)).groups()
+    figures = [float(f) for f in re.findall(r"([\d.]+) KiB", parts)]
+    assert len(figures) >= 2 and abs(sum(figures) - float(floor_text)) <= 0.1 * len(figures)
+    assert re.search(r"for the inputs and outputs of [A-Za-z]+ \S+$", parts), parts
     # between the floor (a bound) and what the solver reaches: both figures in the message
     floor = ladder[0][1].report["mirror"]["floor_bytes"]
     with pytest.raises(UsageError, match=r"finds no schedule under .*the least peak it reaches within 4 extra "

@@ -382,8 +382,7 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     if wanted is not None and wanted < least:
         r = report(None, None, None)
         raise BudgetError(f"--budget {budget.text}: {format_bytes(wanted)} is below the least peak any schedule can reach, "
-                          f"{format_bytes(least)} ({format_bytes(problem.static_bytes)} of weights and inputs, and the largest "
-                          f"working set of one op)", r)
+                          f"{format_bytes(least)} ({_floor_parts(bp)})", r)
     limits = solvers.Limits(work=options.work, time_limit=options.time_limit, workers=options.workers)
     max_extra = options.max_extra_passes * bp.forward_cost * (1 + 1e-9)  # with rounding room
     front = solvers.front(problem, limits).within(max_extra)
@@ -470,6 +469,20 @@ def _choose(bp: BudgetProblem, front: solvers.Front, options: MirrorOptions, tar
     if exact is None or (best is not None and best.cost < exact.cost):
         return best
     return exact
+
+
+def _floor_parts(bp: BudgetProblem) -> str:
+    """What the floor is made of, in words: what any schedule holds where it is reached."""
+    static, kept, flying, working, op = solvers.floor_parts(bp.problem)
+    parts = [f"{format_bytes(static)} of weights and inputs"]
+    if kept:
+        parts.append(f"{format_bytes(kept)} of graph outputs made by then, such as weight gradients")
+    if flying:
+        parts.append(f"{format_bytes(flying)} of gradients in flight")
+    if working:
+        node = bp.nodes[op]
+        parts.append(f"{format_bytes(working)} for the inputs and outputs of {node.op_type} {node.name}")
+    return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
 
 
 def _no_schedule(budget: Budget, target: int | None, floor: int, which: str, least: int | None,

@@ -25,6 +25,7 @@ import bisect
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -314,13 +315,35 @@ def floor(problem: Problem) -> int:
     lives across i (the backward's gradients in flight). The floor is the largest of these sums; it is a lower
     bound, not always reachable (a budget between it and the true least peak gets no schedule from the
     solvers)."""
-    if problem.n == 0:
-        return problem.static_bytes
-    return max(max(necessary_bytes(problem)), problem.static_bytes + sum(problem.size[k] for k in problem.keep))
+    return sum(floor_parts(problem)[:4])
+
+
+class FloorParts(NamedTuple):
+    """The floor in its parts, where it is reached."""
+
+    static: int  # weights and inputs
+    kept: int  # kept outputs computed by then
+    in_flight: int  # outputs of ops that run once, read by a later one
+    working: int  # the op's own output, inputs and working memory
+    op: int | None  # the op (None: the end of the schedule, where every kept output is live)
+
+
+def floor_parts(problem: Problem) -> FloorParts:
+    """`floor`, in its parts."""
+    end = FloorParts(problem.static_bytes, sum(problem.size[k] for k in problem.keep), 0, 0, None)
+    best = end
+    for i, parts in enumerate(_necessary_parts(problem)):
+        if sum(parts) > sum(best[:4]):
+            best = FloorParts(*parts, i)
+    return best
 
 
 def necessary_bytes(problem: Problem) -> list[int]:
     """Per op, the bytes live in any schedule while it runs (see `floor`), static bytes included."""
+    return [sum(p) for p in _necessary_parts(problem)]
+
+
+def _necessary_parts(problem: Problem) -> list[tuple[int, int, int, int]]:
     n = problem.n
     keep, size, reads = problem.keep, problem.size, problem.reads
     # kept ancestors as bitsets (Python ints): cheap for the tens or thousands of kept outputs of a real graph
@@ -359,9 +382,10 @@ def necessary_bytes(problem: Problem) -> list[int]:
         counted = bit.get(i, 0)
         for j in reads[i]:
             counted |= bit.get(j, 0)
-        working += bytes_of(mask & ~counted)
+        kept = bytes_of(mask & ~counted)
+        flying = 0
         if not recomputable[i]:
-            working += in_flight_bytes - sum(size[j] for j in reads[i] if j in in_flight)
+            flying = in_flight_bytes - sum(size[j] for j in reads[i] if j in in_flight)
             for j in closing.pop(i, ()):
                 in_flight.discard(j)
                 in_flight_bytes -= size[j]
@@ -369,7 +393,7 @@ def necessary_bytes(problem: Problem) -> list[int]:
                 in_flight.add(i)
                 in_flight_bytes += size[i]
                 closing.setdefault(last_fixed_reader[i], []).append(i)
-        out.append(problem.static_bytes + working)
+        out.append((problem.static_bytes, kept, flying, working))
     return out
 
 
