@@ -12,8 +12,11 @@ contract.RUNTIME_HINTS), the CPU arena and memory patterns off:
   and concatenates them after its last iteration (`loop_bytes`).
 The view ops (Reshape, Flatten, Squeeze, Unsqueeze) share their input's buffer, except into a graph output, which
 gets a buffer of its own; so do the nodes onnxruntime's basic optimizations remove (Identity, a Cast to the type
-its input has). onnxruntime may also run an element-wise node in place, writing its output over an input it is the
-last reader of; that is not modelled, so the simulation errs on the high side there.
+its input has). onnxruntime also runs some nodes in place, writing the output over input 0 when the node is that
+buffer's last reader and the output is no graph output: the activations (Softmax, LogSoftmax, Tanh, Relu,
+Sigmoid, LeakyRelu, Elu, Softplus, HardSigmoid) and ScatterElements, not Gelu, Erf, Exp, Neg, the binary
+arithmetic ops or ScatterND (measured: bench/bench_inplace.py). That is not modelled, so the simulation errs on the
+high side while such a node runs.
 
 Bytes need every shape known: symbolic dimensions are bound by `dims` (the `--dim` values).
 """
