@@ -44,8 +44,13 @@ sys.path.insert(0, _CODE or str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from onnxgrad.memory import solvers  # noqa: E402
-from onnxgrad.memory.solver import floor, pareto, simulate, solve, solve_milp  # noqa: E402
+from onnxgrad.memory.solvers import floor, simulate, solve_milp  # noqa: E402
 from solver_problems import chain, random_training_dag, tanh_chain  # noqa: E402
+
+
+def solve(problem: solvers.Problem, budget: int) -> solvers.Solution | None:
+    return solvers.solve_fast(problem, budget)
+
 
 FRACTIONS = (0.3, 0.5, 0.7)
 
@@ -60,16 +65,15 @@ def scale_table(sizes: list[int]) -> None:
             forward_cost = sum(problem.cost[i] for i in range(problem.n) if problem.recomputable[i])
             top = simulate(problem, problem.baseline).peak
             started = time.perf_counter()
-            solve(problem, top)
+            front = solvers.front(problem)  # every budget below answers from it
             elapsed = time.perf_counter() - started
             cells = []
             for f in FRACTIONS:
-                s = solve(problem, int(f * top))
+                s = front.best_under(int(f * top))
                 cells.append("none" if s is None else f"{s.peak / top:.2f}, {s.extra_cost / forward_cost:.2f}")
             chen = ""
             if kind == "chain":
-                front = pareto(problem)
-                least = min(s.peak for s in front if s.extra_cost <= forward_cost)
+                least = min(c.peak for c in front.points if c.cost - problem.baseline_cost <= forward_cost)
                 chen = f"{least} ({2 * math.sqrt(n):.0f})"
             print(f"| {kind} {n} | {problem.n} | {elapsed:.1f} | " + " | ".join(cells) + f" | {chen} |",
                   flush=True)

@@ -9,11 +9,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from onnxgrad.errors import UsageError
-from onnxgrad.memory.solver import least_peak, pareto, solve
 from onnxgrad.memory.solvers import (HOLD, REUSE, Problem, best_under, build_schedule, floor, make_solution,
                                      plan_of_classes, simulate, solve_milp, validate)
 from onnxgrad.memory import solvers
 from solver_problems import chain, random_training_dag
+
+
+def pareto(problem, work):
+    """The fast solver's front as a list of solutions."""
+    return solvers.front(problem, solvers.Limits(work=work)).solutions()
+
+
+def solve(problem, budget, work=solvers.DEFAULT_WORK):
+    return solvers.solve_fast(problem, budget, solvers.Limits(work=work))
+
+
+def least_peak(problem, max_extra_cost, work):
+    return solvers.front(problem, solvers.Limits(work=work)).least_peak_within(max_extra_cost)
+
 
 WORK = 300_000  # the fast solver's work limit in these tests: about a second per small problem
 

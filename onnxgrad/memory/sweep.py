@@ -12,26 +12,26 @@ import logging
 import math
 
 from ..errors import UsageError
-from . import solver
+from . import solvers
 from .budget import BudgetProblem
 from .simulate import format_bytes, peak_of_plan
+from .solvers.fast import segment_plan
 
 
-def chen_solution(problem: solver.Problem) -> solver.Solution:
+def chen_solution(problem: solvers.Problem) -> solvers.Solution:
     """Chen et al.'s sqrt(n) scheme on the problem's narrow points."""
-    cuts, _ = solver._cuts(problem)
-    every = max(1, round(math.sqrt(len(cuts))))
-    return solver.make_solution(problem, solver.build_schedule(problem, solver.segment_plan(problem, every, None)),
-                                "chen")
+    every = max(1, round(math.sqrt(len(problem.cuts[0]))))
+    plan = segment_plan(problem, every, None)
+    return solvers.make_solution(problem, solvers.build_schedule(problem, plan), "chen")
 
 
 def sweep(bp: BudgetProblem, nbytes: dict[int, int], mxnet_order: list | None, progress=None,
-          work: int = solver.DEFAULT_WORK) -> list[dict]:
+          work: int = solvers.DEFAULT_WORK) -> list[dict]:
     """Rows of (what, peak bytes, extra forward passes, recomputations); the last row is the floor, the peak no
     schedule goes below (its extra passes and recomputations null). The progress bar is shown only while
     onnxgrad logs progress (not under `onnxgrad -q`)."""
     graph, problem = bp.graph, bp.problem
-    front = solver.pareto(problem, work)
+    front = solvers.front(problem, solvers.Limits(work=work)).solutions()
     points = [("front", s) for s in front] + [("chen", chen_solution(problem))]
     rows = []
     items = progress(points) if progress and logging.getLogger("onnxgrad").isEnabledFor(logging.INFO) else points
@@ -49,7 +49,7 @@ def sweep(bp: BudgetProblem, nbytes: dict[int, int], mxnet_order: list | None, p
         rows.append({"what": "mxnet", "peak_bytes": peak_of_plan(graph, mxnet_order, nbytes),
                      "extra_forward_passes": extra / bp.forward_cost if bp.forward_cost else 0.0,
                      "recomputations": sum(isinstance(s, tuple) for s in mxnet_order)})
-    rows.append({"what": FLOOR, "peak_bytes": solver.floor(problem), "extra_forward_passes": None,
+    rows.append({"what": FLOOR, "peak_bytes": solvers.floor(problem), "extra_forward_passes": None,
                  "recomputations": None})
     return rows
 
