@@ -468,7 +468,7 @@ def _build_and_write(command, options, model, output, external_data, report):
             log.info("%s: budget %s (%s), floor %s; %.2f extra forward passes of recomputation (%s solver%s)",
                      out, b.budget, _mib(b.budget_bytes) if b.budget_bytes else "auto",
                      _mib(b.floor_bytes), b.extra_forward_passes, b.solver,
-                     "" if b.gap is None else f", gap {b.gap:.2%}")
+                     "" if b.gap is None else f", gap {b.gap:.2%} to the lower bound on any plan's extra compute")
     if m is not None and m.sweep is not None:
         from .memory.sweep import chart
         chart(m.sweep.rows, sweep_path, f"{os.path.basename(model)}: peak memory against recomputation",
