@@ -115,6 +115,14 @@ def test_simulate_matches_the_definition(seed, forward, extra):
     assert floor(problem) <= peak
     # every schedule whose first runs keep the baseline order costs at least the bound at its own peak
     assert solvers.extra_cost_bound(problem, peak) <= sim.cost - problem.baseline_cost + 1e-9
+    # pruning keeps it valid and within its peak, and never costs more; under a budget that holds everything it
+    # takes out every recomputation a single extra run made
+    pruned, pruned_peak, pruned_cost, _ = solvers.prune(problem, schedule, peak, 10**9)
+    validate(problem, pruned)
+    assert simulate(problem, pruned).peak == pruned_peak <= peak
+    assert pruned_cost == pytest.approx(simulate(problem, pruned).cost) and pruned_cost <= sim.cost + 1e-9
+    if extra == 1 and peak <= problem.baseline_peak:
+        assert solvers.prune(problem, schedule, problem.baseline_peak, 10**9)[0] == problem.baseline
 
 
 def _ancestors(problem: Problem, op: int) -> set[int]:

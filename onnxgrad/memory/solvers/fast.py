@@ -5,7 +5,9 @@ same problem gives the same front on every call and every machine, and the cost 
 never rises when the budget grows. The block DP (`dp.py`) gives the multi-level schemes (revolve on chains);
 segment schemes at the narrow points (Chen et al.'s sqrt(n) and two-level ones) and MXNet-like partial holds
 come next; a local search (greedy repair to a budget, greedy descent, pairs of changes, seeded perturbations)
-then improves the front at a grid of budgets while work is left.
+then improves the front at a grid of budgets while work is left. Last, `prune` takes out of each schedule on the
+front the recomputations that a copy made before can serve, held longer, within the schedule's own peak: a value
+held, recomputed, then held again, which no staged plan says.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import random
 import numpy as np
 
 from . import dp
-from .front import Front, OutOfWork, Pool
-from .problem import DROP, HOLD, REUSE, Problem, build_schedule, floor, plan_entry, plan_of_classes
+from .front import Candidate, Front, OutOfWork, Pool, pareto
+from .problem import DROP, HOLD, REUSE, Problem, build_schedule, floor, plan_entry, plan_of_classes, prune
 
 
 def segment_plan(problem: Problem, outer: int | None, inner: int | None, held_tail: float = 0.0
@@ -272,4 +274,27 @@ def fast_front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 12
             _perturbed_search(problem, pool)
     except OutOfWork:
         pass
-    return Front(problem, pool.candidates(), "fast", pool.evaluations)
+    points = pool.candidates()
+    if small:
+        points = pareto(points + _pruned(problem, points, PRUNE_WORK))
+    return Front(problem, points, "fast", pool.evaluations)
+
+
+PRUNE_WORK = 400_000  # schedule steps `prune` may simulate over the front's schedules
+
+
+def _pruned(problem: Problem, points: list[Candidate], work: int) -> list[Candidate]:
+    """The front's schedules with the recomputations they can do without taken out (`prune`), each within its
+    own peak, from the least peak up (where the most is recomputed) while `work` lasts."""
+    out = []
+    for c in points:
+        if work <= 0:
+            break
+        schedule = build_schedule(problem, c.plan)
+        if len(schedule) == problem.n:
+            continue  # nothing recomputed
+        kept, peak, cost, steps = prune(problem, schedule, c.peak, work)
+        work -= steps
+        if cost < c.cost - 1e-9:
+            out.append(Candidate(peak, cost, c.plan, c.source + ", pruned", tuple(kept)))
+    return out

@@ -23,6 +23,18 @@ class Candidate:
     cost: float
     plan: tuple[int, ...]
     source: str = ""  # the solver whose search first met this plan
+    schedule: tuple[int, ...] | None = None  # when not the plan's staged schedule (`prune` took some out)
+
+
+def pareto(candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates on the Pareto front: increasing peak, strictly decreasing cost (ties: the plan first in
+    order, a staged schedule before a pruned one)."""
+    ranked = sorted(candidates, key=lambda c: (c.peak, c.cost, c.plan, c.schedule is not None, c.schedule or ()))
+    front: list[Candidate] = []
+    for c in ranked:
+        if not front or c.cost < front[-1].cost - 1e-9:
+            front.append(c)
+    return front
 
 
 @dataclass
@@ -83,12 +95,7 @@ class Pool:
 
     def candidates(self) -> list[Candidate]:
         """The Pareto front of the pool: increasing peak, strictly decreasing cost."""
-        ranked = sorted(((p, c, k) for k, (p, c) in self.seen.items()), key=lambda e: (e[0], e[1], e[2]))
-        front: list[Candidate] = []
-        for p, c, k in ranked:
-            if not front or c < front[-1].cost - 1e-9:
-                front.append(Candidate(p, c, k, self.sources.get(k, "")))
-        return front
+        return pareto([Candidate(p, c, k, self.sources.get(k, "")) for k, (p, c) in self.seen.items()])
 
     def cheapest_under(self, budget: int) -> tuple[int, ...] | None:
         fitting = [(c, p, k) for k, (p, c) in self.seen.items() if p <= budget]
@@ -111,7 +118,8 @@ class Front:
         return [self.solution(c) for c in self.points]
 
     def solution(self, c: Candidate) -> Solution:
-        return make_solution(self.problem, build_schedule(self.problem, c.plan), self.solver, status="heuristic")
+        schedule = list(c.schedule) if c.schedule is not None else build_schedule(self.problem, c.plan)
+        return make_solution(self.problem, schedule, self.solver, status="heuristic")
 
     @property
     def least_peak(self) -> int | None:

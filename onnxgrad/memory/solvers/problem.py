@@ -206,7 +206,7 @@ def profile(problem: Problem, schedule: list[int], check: bool = False) -> Simul
         _check(problem, schedule)
     if len(schedule) == 0:
         return Simulation(problem.static_bytes, 0, [], 0.0, [])
-    ops, live_after, during = _liveness(problem, schedule)
+    ops, _, live_after, during = _liveness(problem, schedule)
     peak_step = int(np.argmax(during))
     cost = problem.cost
     return Simulation(max(int(during[peak_step]), problem.static_bytes), peak_step, live_after.tolist(),
@@ -218,14 +218,15 @@ def measure(problem: Problem, schedule: list[int]) -> tuple[int, float, np.ndarr
     array: what a search keeps of each plan."""
     if len(schedule) == 0:
         return problem.static_bytes, 0.0, np.zeros(0, dtype=np.int64)
-    ops, _, during = _liveness(problem, schedule)
+    ops, _, _, during = _liveness(problem, schedule)
     # a running sum adds in schedule order, as `profile`'s sum does, so the cost is the same to the last bit
     cost = float(np.cumsum(problem.arrays.cost[ops])[-1])
     return max(int(during.max()), problem.static_bytes), cost, during
 
 
-def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The schedule as an array, and the live bytes after and during each step (see `profile`)."""
+def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The schedule as an array, the position after which each step's output is freed (its own position: no
+    reader; the schedule's length: kept), and the live bytes after and during each step (see `profile`)."""
     length = len(schedule)
     arrays = problem.arrays
     ops = np.fromiter(schedule, dtype=np.int64, count=length)
@@ -258,7 +259,60 @@ def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.nda
     during = live_after + freed
     if arrays.has_scratch:
         during += arrays.scratch[ops]
-    return ops, live_after, during
+    return ops, end, live_after, during
+
+
+def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tuple[list[int], int, float, int]:
+    """Recomputations a schedule can do without: each, the costliest first, is taken out when the copy before
+    it can serve its readers instead (it is then held longer) and the peak stays within `budget`; a copy that
+    then serves no reader goes too. A staged plan cannot say this (a value held, then recomputed, then held
+    again), so it cuts the cost of the plans a search over stages finds. Stops when a pass takes nothing out, or
+    when `work` schedule steps have been simulated. Returns (schedule, peak, cost, steps simulated)."""
+    cost = problem.cost
+    current = list(schedule)
+    peak, total, _ = measure(problem, current)
+    steps = len(current)
+    while True:
+        seen: set[int] = set()
+        recomputed = []
+        for p, op in enumerate(current):
+            if op in seen:
+                recomputed.append(p)
+            seen.add(op)
+        removed: set[int] = set()  # positions of `current` taken out in this pass
+        for p in sorted(recomputed, key=lambda q: (-cost[current[q]], q)):
+            if p in removed:
+                continue
+            if steps >= work:
+                return [op for q, op in enumerate(current) if q not in removed], peak, total, steps
+            trial_removed = removed | {p}
+            while True:  # drop the copies that now serve nobody, until none is left
+                kept = [q for q in range(len(current)) if q not in trial_removed]
+                trial = [current[q] for q in kept]
+                ops, end, _, during = _liveness(problem, trial)
+                steps += len(trial)
+                firsts = _first_positions(trial)
+                dead = [kept[q] for q in range(len(trial)) if end[q] == q and q not in firsts]
+                if not dead:
+                    break
+                trial_removed |= set(dead)
+            trial_peak = max(int(during.max()), problem.static_bytes) if len(trial) else problem.static_bytes
+            if trial_peak <= budget:
+                removed = trial_removed
+                peak, total = trial_peak, float(np.cumsum(problem.arrays.cost[ops])[-1])
+        if not removed:
+            return current, peak, total, steps
+        current = [op for q, op in enumerate(current) if q not in removed]
+
+
+def _first_positions(schedule: list[int]) -> set[int]:
+    seen: set[int] = set()
+    firsts = set()
+    for p, op in enumerate(schedule):
+        if op not in seen:
+            seen.add(op)
+            firsts.add(p)
+    return firsts
 
 
 def _check(problem: Problem, schedule: list[int]) -> None:
