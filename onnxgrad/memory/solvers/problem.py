@@ -262,16 +262,20 @@ def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.nda
     return ops, end, live_after, during
 
 
+PRUNE_CHARGE = 256  # the least work one simulation of `prune` counts: a short schedule's time is mostly overhead
+
+
 def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tuple[list[int], int, float, int]:
     """Recomputations a schedule can do without: each, the costliest first, is taken out when the copy before
     it can serve its readers instead (it is then held longer) and the peak stays within `budget`; a copy that
     then serves no reader goes too. A staged plan cannot say this (a value held, then recomputed, then held
     again), so it cuts the cost of the plans a search over stages finds. Stops when a pass takes nothing out, or
-    when `work` schedule steps have been simulated. Returns (schedule, peak, cost, steps simulated)."""
+    when `work` schedule steps have been simulated (each simulation counts at least PRUNE_CHARGE). Returns
+    (schedule, peak, cost, steps counted)."""
     cost = problem.cost
     current = list(schedule)
     peak, total, _ = measure(problem, current)
-    steps = len(current)
+    steps = max(len(current), PRUNE_CHARGE)
     while True:
         seen: set[int] = set()
         recomputed = []
@@ -290,7 +294,7 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
                 kept = [q for q in range(len(current)) if q not in trial_removed]
                 trial = [current[q] for q in kept]
                 ops, end, _, during = _liveness(problem, trial)
-                steps += len(trial)
+                steps += max(len(trial), PRUNE_CHARGE)
                 firsts = _first_positions(trial)
                 dead = [kept[q] for q in range(len(trial)) if end[q] == q and q not in firsts]
                 if not dead:
