@@ -315,7 +315,9 @@ def build_grad(mirror, **flags):
               help="With --budget: fast (the default: a front of block-DP plans, segment schemes and a local "
                    "search; seconds on 10k-node graphs), dp (the block DP alone), exact (CP-SAT from the fast "
                    "plan: the optimum, or its gap, within --time-limit) or milp (Checkmate's mixed-integer "
-                   "program through HiGHS, for small graphs; within --time-limit).")
+                   "program through HiGHS, for small graphs; within --time-limit). Every solver's plan comes "
+                   "with its gap to a lower bound on any plan's extra compute (in the report and on stderr); a "
+                   "gap of 0 proves it optimal.")
 @click.option("--time-limit", type=click.FloatRange(min=1),
               help="With --solver exact or milp: seconds the solver may take (the best schedule found then is "
                    "used, with its gap in the report) [default: 60].")
