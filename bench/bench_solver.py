@@ -48,8 +48,15 @@ from onnxgrad.memory.solvers import floor, simulate, solve_milp  # noqa: E402
 from solver_problems import chain, random_training_dag, tanh_chain  # noqa: E402
 
 
+PRUNE = 0  # --prune: schedule steps this tree's fast solver may spend pruning its fronts (Limits.prune_work)
+
+
+def limits() -> solvers.Limits:
+    return solvers.Limits(prune_work=PRUNE) if PRUNE else solvers.Limits()
+
+
 def solve(problem: solvers.Problem, budget: int) -> solvers.Solution | None:
-    return solvers.solve_fast(problem, budget)
+    return solvers.solve_fast(problem, budget, limits())
 
 
 FRACTIONS = (0.3, 0.5, 0.7)
@@ -65,7 +72,7 @@ def scale_table(sizes: list[int]) -> None:
             forward_cost = sum(problem.cost[i] for i in range(problem.n) if problem.recomputable[i])
             top = simulate(problem, problem.baseline).peak
             started = time.perf_counter()
-            front = solvers.front(problem)  # every budget below answers from it
+            front = solvers.front(problem, limits())  # every budget below answers from it
             elapsed = time.perf_counter() - started
             cells = []
             for f in FRACTIONS:
@@ -129,7 +136,7 @@ def solvers_table(cp_time: float, milp_time: float) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, problem in problems:
         started = time.perf_counter()
-        fast = solvers.front(problem)
+        fast = solvers.front(problem, limits())
         fast_s = time.perf_counter() - started
         started = time.perf_counter()
         dp = solvers.dp_front(problem)
@@ -197,7 +204,7 @@ def tanh_table(cp_time: float) -> None:
         bp, peak = tanh_chain(layers)
         problem = bp.problem
         started = time.perf_counter()
-        fast = solvers.front(problem)
+        fast = solvers.front(problem, limits())
         fast_s = time.perf_counter() - started
         dp = solvers.dp_front(problem)
         low = solvers.floor(problem)
@@ -231,7 +238,7 @@ def measure_front(kind: str, n: int, repeat: int = 3, seed: int = 1) -> dict:
     for _ in range(repeat):
         problem = front_problem(kind, n, seed)  # fresh: nothing the problem caches carries over between runs
         started = time.process_time()
-        front = solvers.front(problem)
+        front = solvers.front(problem, limits())
         best = min(best, time.process_time() - started)
         points = [(c.peak, c.cost) for c in front.points]
     return {"seconds": best, "points": points, "ops": problem.n, "base": problem.baseline_cost}
@@ -311,10 +318,14 @@ def main() -> None:
                         help="only extra_cost_bound against HiGHS's optima on N small random DAGs")
     parser.add_argument("--front-sizes", default="100,500,10000")
     parser.add_argument("--against", metavar="DIR", help="with --front: also time the onnxgrad under DIR")
+    parser.add_argument("--prune", type=int, default=0, metavar="STEPS",
+                        help="this tree's fast solver prunes its fronts within STEPS schedule steps (not the peer's)")
     parser.add_argument("--front-seeds", default="1", help="with --front: the random DAGs' seeds (comma-separated)")
     parser.add_argument("--front-one", help=argparse.SUPPRESS)  # kind:n:seed, as JSON (the peer's process)
     parser.add_argument("--code", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global PRUNE
+    PRUNE = args.prune if not args.front_one else 0
     if args.front_one:
         kind, n, seed = args.front_one.split(":")
         print(json.dumps(measure_front(kind, int(n), seed=int(seed))))

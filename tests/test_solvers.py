@@ -139,13 +139,15 @@ def test_a_share_of_the_work_ends_its_block_and_the_search_goes_on():
 def test_pruning_holds_a_copy_where_the_staged_plan_recomputes_it():
     # a staged plan gives each value one window where a recomputed copy is held; taking out recomputations whose
     # copy before can serve (held longer) reaches schedules no plan writes: at the 30-op DAG's least peak, 515
-    # before, against 173-246 from CP-SAT in 20 s and a lower bound of 98.75
+    # without, against 173-246 from CP-SAT in 20 s and a lower bound of 98.75
     problem = random_training_dag(30, 4)
-    front = solvers.front(problem, solvers.Limits(work=400_000))
-    best = front.best_under(37)
+    plain = solvers.front(problem, solvers.Limits(work=400_000))
+    pruned = solvers.front(problem, solvers.Limits(work=400_000, prune_work=400_000))
+    best = pruned.best_under(37)
     solvers.validate(problem, best.schedule)
-    assert best.peak <= 37 and best.extra_cost <= 250
-    assert any(c.schedule is not None for c in front.points)
+    assert best.peak <= 37 and best.extra_cost <= 250 < plain.best_under(37).extra_cost
+    assert any(c.schedule is not None for c in pruned.points)
+    assert all(c.schedule is None for c in plain.points)  # what `mirror --budget` uses: no pruning
 
 
 def test_the_walk_up_the_grid_finds_cheaper_plans_on_a_random_dag():

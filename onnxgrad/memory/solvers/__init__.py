@@ -34,6 +34,7 @@ class Limits:
     work: int = DEFAULT_WORK
     time_limit: float = 60.0
     workers: int = 2
+    prune_work: int = 0  # schedule steps the fast solver may spend pruning its front (`prune`); 0: none
 
 
 def baseline(problem: Problem) -> Solution:
@@ -42,7 +43,7 @@ def baseline(problem: Problem) -> Solution:
 
 def front(problem: Problem, limits: Limits = Limits()) -> Front:
     """The fast solver's Pareto front (keep it to answer several budgets)."""
-    return fast_front(problem, limits.work)
+    return fast_front(problem, limits.work, prune_work=limits.prune_work)
 
 
 def dp_front(problem: Problem) -> Front:
