@@ -124,17 +124,19 @@ def parameter_copies(graph: Graph, xs: list[Value]) -> tuple[tuple[str, str, str
             arrays[x.name] = a
     seen: dict[tuple, list[str]] = {}
     pairs = []
-    def corners(m: np.ndarray) -> tuple:
-        return m.shape, m[:4, :4].tobytes(), m[-4:, -4:].tobytes()
-
     for name, a in arrays.items():  # each against the matrices before it
         for how, view in (("equal", a), ("transposed", a.T)):
-            for other in seen.get(corners(view), ()):
+            for other in seen.get(_corners(view), ()):
                 b = arrays[other]
                 if np.array_equal(b, view) and b.min() != b.max():
                     pairs.append((other, name, how))
-        seen.setdefault(corners(a), []).append(name)
+        seen.setdefault(_corners(a), []).append(name)
     return tuple(pairs)
+
+
+def _corners(m: np.ndarray) -> tuple:
+    """A matrix's shape and its two 4 x 4 corners: a cheap key that equal matrices share."""
+    return m.shape, m[:4, :4].tobytes(), m[-4:, -4:].tobytes()
 
 
 def tie_copies(graph: Graph, xs: list[Value], copies, names: Names) -> list[Value]:

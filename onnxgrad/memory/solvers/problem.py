@@ -277,12 +277,8 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
     peak, total, _ = measure(problem, current)
     steps = max(len(current), PRUNE_CHARGE)
     while True:
-        seen: set[int] = set()
-        recomputed = []
-        for p, op in enumerate(current):
-            if op in seen:
-                recomputed.append(p)
-            seen.add(op)
+        firsts = _first_positions(current)
+        recomputed = [p for p in range(len(current)) if p not in firsts]
         removed: set[int] = set()  # positions of `current` taken out in this pass
         for p in sorted(recomputed, key=lambda q: (-cost[current[q]], q)):
             if p in removed:
@@ -310,6 +306,7 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
 
 
 def _first_positions(schedule: list[int]) -> set[int]:
+    """The positions where each op runs for the first time."""
     seen: set[int] = set()
     firsts = set()
     for p, op in enumerate(schedule):
