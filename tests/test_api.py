@@ -56,7 +56,7 @@ def test_runtime_hints_and_ir_version():
     train = onnxgrad.build_gradient(affine())
     hints = {p.key: p.value for p in train.metadata_props}
     assert hints["onnxgrad.execution_order"] == "PRIORITY_BASED"
-    assert hints["onnxgrad.disabled_optimizers"] == "CommonSubexpressionElimination"
+    assert hints["onnxgrad.disabled_optimizers"] == "CommonSubexpressionElimination,NchwcTransformer"
     assert hints["onnxgrad.loss"] == "loss"
     assert train.ir_version <= 11  # onnxruntime-gpu 1.31 refuses IR > 13; opset 18 needs IR 8
 

@@ -7,9 +7,8 @@ segment schemes at the narrow points (Chen et al.'s sqrt(n) and two-level ones) 
 come next; a local search (greedy repair to a budget, greedy descent, pairs of changes, seeded perturbations)
 then improves the front at a grid of budgets while work is left. On request (`prune_work`), `prune` then takes out
 of each schedule on the front the recomputations that a copy made before can serve, held longer, within the
-schedule's own peak: a value held, recomputed, then held again, which no staged plan says. `mirror --budget` does
-not ask for it: on ResNet-50's least budget onnxruntime measured the pruned plan at 1.09 of its budget against a
-simulated 1.00 (BENCHMARKS.md), and the cause is not yet known.
+schedule's own peak: a value held, recomputed, then held again, which no staged plan says. `mirror --budget` asks
+for it (`budget.PRUNE_WORK_PER_OP`).
 """
 from __future__ import annotations
 
