@@ -147,7 +147,7 @@ def test_pruning_holds_a_copy_where_the_staged_plan_recomputes_it():
     solvers.validate(problem, best.schedule)
     assert best.peak <= 37 and best.extra_cost <= 250 < plain.best_under(37).extra_cost
     assert any(c.schedule is not None for c in pruned.points)
-    assert all(c.schedule is None for c in plain.points)  # what `mirror --budget` uses: no pruning
+    assert all(c.schedule is None for c in plain.points)  # no pruning asked, none done
 
 
 def test_the_walk_up_the_grid_finds_cheaper_plans_on_a_random_dag():

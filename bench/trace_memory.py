@@ -1,0 +1,160 @@
+"""Where onnxruntime's memory parts from the simulation: the bytes alive while each node runs, measured.
+
+    .venv/bin/python bench/trace_memory.py MODEL [--threads 2] [--over 3] [--keep DIR]
+
+The graph runs three times in a child process with the allocator onnxgrad's budgeted sessions use (the CPU arena
+off, glibc's mmap threshold fixed at 64 KiB, `runtime.follow_live_bytes`), so every tensor of 64 KiB or more is
+an mmap of its own and is unmapped when onnxruntime frees it. The child runs under `strace -e mmap,munmap`, and
+its third run under onnxruntime's profiler. Lining the two up gives, for each node in the order onnxruntime ran
+it, the largest number of mapped bytes while it ran, over those mapped before the run. Printed:
+- the measured and simulated dynamic peaks (`memory.simulate`, which assumes the file's order);
+- the nodes onnxruntime created (not in the file), with their place in its run order: PRIORITY_BASED numbers
+  them after every node of the file, so each runs only when no node of the file is ready;
+- every node where measured minus simulated rises or falls by more than `--over` MiB against the node before:
+  where the two part, and what ran there.
+Nodes onnxruntime runs in place (activations, `bench_inplace.py`) show as measured below simulated. Small
+nodes that read no large value may run early; their simulated figure belongs to their place in the file.
+Needs strace (Linux).
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHILD = r"""
+import json, sys, time
+import onnx, onnxruntime as ort
+from onnxgrad import runtime
+from onnxgrad.protos import random_feeds
+path, prefix, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = onnx.load(path)
+runtime.follow_live_bytes()
+so, extra = runtime.session_options(model, threads)
+so.enable_cpu_mem_arena = False
+so.enable_mem_pattern = False
+so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+so.enable_profiling = True
+so.profile_file_prefix = prefix
+feeds = random_feeds(model, {}, 0, {t.name for t in model.graph.initializer})
+del model
+sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], **extra)
+sess.run(None, feeds)
+sess.run(None, feeds)
+start = time.time()
+sess.run(None, feeds)
+end = time.time()
+print(json.dumps({"start": start, "end": end, "profile": sess.end_profiling()}))
+"""
+LINE = re.compile(r"^(\d+)\s+([\d.]+)\s+(.*)$")
+RESUMED = re.compile(r"<\.\.\. \w+ resumed>(.*)")
+
+
+def mapped_bytes(strace: Path) -> tuple[list[float], list[int]]:
+    """(times, bytes mapped after each event) of the anonymous read-write maps of 64 KiB or more."""
+    live: dict[int, int] = {}
+    pending: dict[str, str] = {}
+    times, totals, total = [], [], 0
+    for line in strace.read_text().splitlines():
+        m = LINE.match(line)
+        if not m:
+            continue
+        pid, t, call = m.group(1), float(m.group(2)), m.group(3)
+        if call.endswith("<unfinished ...>"):
+            pending[pid] = call[: -len("<unfinished ...>")]
+            continue
+        resumed = RESUMED.match(call)
+        if resumed:
+            call = pending.pop(pid, "") + resumed.group(1)
+        if call.startswith("mmap(") and "MAP_ANONYMOUS" in call and "PROT_READ|PROT_WRITE" in call:
+            size, result = int(call.split(",")[1]), call.rsplit("=", 1)[1].strip()
+            if not result.startswith("0x") or size < 65536:
+                continue
+            live[int(result, 16)] = size
+            total += size
+        elif call.startswith("munmap("):
+            address = int(call[len("munmap("):].split(",")[0], 16)
+            if address not in live:
+                continue
+            total -= live.pop(address)
+        else:
+            continue
+        times.append(t)
+        totals.append(total)
+    return times, totals
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--over", type=float, default=3.0, help="MiB: print where measured - simulated moves this much")
+    ap.add_argument("--keep", default=None, help="keep the strace log and the profile here")
+    args = ap.parse_args()
+    if not shutil.which("strace"):
+        sys.exit("trace_memory: strace is not installed")
+    from onnxgrad.api import load_graph
+    from onnxgrad.memory import simulate
+
+    work = Path(args.keep or tempfile.mkdtemp(prefix="trace_memory_"))
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "mmap.strace"
+    p = subprocess.run(["strace", "-f", "-ttt", "-e", "trace=mmap,munmap", "-o", str(log), sys.executable, "-c",
+                        CHILD, args.model, str(work / "profile"), str(args.threads)],
+                       capture_output=True, text=True, cwd=ROOT)
+    if p.returncode:
+        sys.exit(f"trace_memory: the run failed: {p.stderr.strip().splitlines()[-1:]}")
+    run = json.loads(p.stdout.strip().splitlines()[-1])
+    times, totals = mapped_bytes(log)
+
+    def mapped_during(a: float, b: float) -> int:
+        i = max(bisect.bisect_right(times, a) - 1, 0)
+        j = max(bisect.bisect_right(times, b), i + 1)
+        return max(totals[i:j])
+
+    before = totals[max(bisect.bisect_right(times, run["start"]) - 1, 0)]
+    events = json.loads(Path(run["profile"]).read_text())
+    last_run = [e for e in events if e.get("cat") == "Session" and e["name"] == "model_run"][-1]
+    nodes = sorted((e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")
+                    and e["ts"] >= last_run["ts"]), key=lambda e: e["ts"])
+    offset = run["start"] - last_run["ts"] * 1e-6
+
+    graph = load_graph(args.model)
+    timeline = simulate.simulate(graph)
+    simulated = {n.name: d for n, d in zip(graph.nodes, timeline.during)}
+    mib = 2 ** 20
+    peak = mapped_during(run["start"], run["end"]) - before
+    print(f"{Path(args.model).name}: measured dynamic peak {peak / mib:.1f} MiB, simulated "
+          f"{timeline.dynamic_peak / mib:.1f} MiB (at {timeline.peak_node}); {len(nodes)} nodes ran")
+    rows = []
+    for k, e in enumerate(nodes):
+        name = e["name"][: -len("_kernel_time")]
+        a = offset + e["ts"] * 1e-6
+        measured = (mapped_during(a, a + e["dur"] * 1e-6) - before) / mib
+        sim = simulated.get(name)
+        rows.append((k, name, e["args"].get("op_name", "?"), measured, None if sim is None else sim / mib))
+    created = [r for r in rows if r[4] is None]
+    print(f"\nnodes onnxruntime created ({len(created)}): run order, op, name, measured MiB")
+    for k, name, op, measured, _ in created:
+        print(f"  {k:6d} {op:16s} {name[-90:]}  {measured:.1f}")
+    print(f"\nwhere measured - simulated moves by more than {args.over} MiB: run order, op, name, measured, simulated")
+    previous = 0.0
+    for k, name, op, measured, sim in rows:
+        if sim is None:
+            continue
+        if abs((measured - sim) - previous) > args.over:
+            print(f"  {k:6d} {op:16s} {name[-90:]}  {measured:.1f} {sim:.1f} ({measured - sim:+.1f})")
+        previous = measured - sim
+
+
+if __name__ == "__main__":
+    main()
