@@ -397,7 +397,7 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     # budget is raised by that difference, then lowered by any excess the graph's own peak shows
     target = None if wanted is None else wanted + max(0, problem.baseline_peak - unmirrored_peak)
     solution = plan = None
-    peak = None
+    peak = least_written = None
     for _ in range(4):
         solution = _choose(bp, front, options, target, limits)
         if solution is not None and solution.extra_cost > max_extra:
@@ -407,6 +407,8 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
         policy = "budget" if options.solver == "fast" else f"budget-{options.solver}"
         plan = bp.plan(solution, policy)
         peak = peak_of_plan(graph, plan.order, nbytes)
+        if found is not None and solution.peak <= found:
+            least_written = peak  # the least plan's peak as written, which a failure reports
         tidied = bp.tidy(solution)
         if tidied is not solution:
             tidy_plan = bp.plan(tidied, policy)
@@ -416,8 +418,13 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
         if wanted is None or peak <= wanted:
             break
         # the offset between the problem's peak and the graph's is not the same at every plan: ask for a plan
-        # whose problem peak lies below this one's by the excess the graph showed
-        target = min(target, solution.peak) - (peak - wanted)
+        # whose problem peak lies below this one's by the excess the graph showed, and at least for the least
+        # peak found (whose own offset may be smaller)
+        lower = max(min(target, solution.peak) - (peak - wanted), found)
+        if lower >= solution.peak:
+            solution = plan = None
+            break
+        target = lower
         solution = plan = None
     # MXNet's plan is one more candidate: on element-wise tails between heavy ops it is often the cheapest
     mxnet = mxnet_plan(graph, nbytes, MirrorFunction(graph, set(options.save)))
@@ -438,6 +445,8 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
                                    "mxnet (the cheapest plan that fits)", None, "heuristic")
         plan, peak = Plan("budget", mxnet.order, mxnet.reasons), mxnet_peak
     if solution is None:
+        if least_written is not None:
+            found = least_written
         r = report(None, None, found)
         raise BudgetError(_no_schedule(budget, wanted, least, options.solver, found, options.max_extra_passes), r)
     # the bound at the problem's budget (auto: at the peak chosen, which the problem measures unless MXNet's plan won)
