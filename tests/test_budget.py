@@ -453,6 +453,47 @@ def test_no_schedule_reports_the_least_plan_as_written(monkeypatch):
     assert least > 1 << 20  # the written peak, over 1 MiB; the problem's least peak is 611.4 KiB
     assert f"within 4 extra forward passes is {budget.format_bytes(least)}" in str(failure.value)
 
+
+
+def test_a_read_through_a_view_holds_the_copy_the_view_read():
+    """Op 1 is a view of op 0 (no bytes of its own); op 2 reads op 0 directly and through the view. Recomputing
+    op 0 between the view and op 2 leaves two copies alive: the view holds the first run, the direct read the
+    copy (a tie's Reshape and its node on ViT-B/16 did this). Read as the latest run of op 0, the problem freed the
+    first run after the view and counted one copy."""
+    from onnxgrad.memory import solvers
+    args = ([4, 0, 1], [1.0, 0.0, 1.0], [[], [0], [0, 1]], [True, True, False], {2})
+    through = [[], [(0, -1)], [(0, -1), (0, 1), (1, -1)]]
+    schedule = [0, 1, 0, 2]
+    assert solvers.profile(solvers.Problem(*args, through=through), schedule).peak == 4 + 4 + 1
+    assert solvers.profile(solvers.Problem(*args), schedule).peak == 4 + 1
+
+
+def test_an_output_nobody_reads_is_held_to_the_end(tmp_path):
+    """With buffer reuse off (onnxgrad's graphs ask for it), onnxruntime holds an output no node reads until the
+    run ends, and the simulator counts it so: here 32 MiB made first and never read, beside a chain of 32 MiB
+    values (measured 96 MiB; 64 MiB if it were freed)."""
+    from onnx import TensorProto, helper
+    from onnxgrad.contract import RUNTIME_HINTS
+    n = 8 << 20
+    nodes = [helper.make_node("Mul", ["x", "two"], ["unread"], name="unread"),
+             helper.make_node("Add", ["x", "one"], ["b"], name="b"),
+             helper.make_node("Mul", ["b", "b"], ["c"], name="c"),
+             helper.make_node("Add", ["c", "one"], ["d"], name="d"),
+             helper.make_node("Add", ["d", "one"], ["y"], name="y")]
+    graph = helper.make_graph(nodes, "unread", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n])],
+                              [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0]),
+                               helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    for key, value in RUNTIME_HINTS.items():  # buffer reuse off, as in every graph onnxgrad writes
+        model.metadata_props.add(key=key, value=value)
+    path = tmp_path / "unread.onnx"
+    onnx.save(model, path)
+    timeline = simulate(load(path))
+    assert timeline.dynamic_peak == 3 * 4 * n
+    measured = measure(path, level="ALL", threads=1, runs=2, allocator="exact")["peak_bytes"]
+    assert abs(measured - timeline.dynamic_peak) < 0.05 * timeline.dynamic_peak, measured
+
 def tied_head(batch: int = 4, tokens: int | None = 256, width: int = 256, vocab: int = 512, layers: int = 4,
               head: str = "MatMul"):
     """GPT-2's output layer in small: `layers` of h = Tanh(h W) over [batch, tokens, width], then

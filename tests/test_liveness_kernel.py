@@ -18,11 +18,18 @@ def plain_profile(problem, schedule):
     """(peak, peak_step, live_after, cost, during), one position at a time."""
     length = len(schedule)
     latest = [-1] * problem.n
-    end = list(range(length))
+    end = [-1] * length
+    taken = []  # per position, the occurrence it read of each op
+    through = problem.through or [[(i, -1) for i in r] for r in problem.reads]
     for p, op in enumerate(schedule):
-        for i in problem.reads[op]:
-            end[latest[i]] = p
+        taken.append({i: latest[i] for i in problem.reads[op]})
+        for i, view in through[op]:
+            # a read through a view holds the occurrence the view's latest run read
+            q = taken[latest[view]][i] if view >= 0 else latest[i]
+            end[q] = max(end[q], p)
         latest[op] = p
+    firsts = {schedule.index(op) for op in set(schedule)}
+    end = [(p if p in firsts else length) if e < 0 else e for p, e in enumerate(end)]  # a copy nobody reads: held
     for k in problem.keep:
         if latest[k] >= 0:
             end[latest[k]] = length

@@ -186,13 +186,14 @@ def _outputs(model: onnx.ModelProto, feeds: dict) -> dict:
     return dict(zip([o.name for o in model.graph.output], runtime.session(model).run(None, feeds)))
 
 
-@pytest.mark.parametrize("budget, segments", [("1.0x", [64]), ("0.5x", [8, 8]), ("45MiB", [4, 4, 4])],
+@pytest.mark.parametrize("budget, segments", [("1.0x", [64]), ("0.5x", [8, 8]), ("46MiB", [4, 4, 4])],
                          ids=["generous-unsegmented", "middle-one-level", "tight-two-levels"])
 def test_budget_chooses_how_the_loop_is_checkpointed(tmp_path, budget, segments):
-    """64 steps: plain, the training graph's peak is 97.0 MiB (64 stored carries); √T segments bring it to 46.5
-    MiB, two levels (4 segments of 4 of 4) to 43.6 MiB. The budget keeps the least recomputation that fits: the
-    loop as it is at the plain peak, one level at half of it (the fraction is of the unsegmented peak), two levels
-    at 45 MiB, which no one-level scheme reaches (its floor is 47.0 MiB). The simulated peak of what is written
+    """64 steps: plain, the training graph's peak is 97.0 MiB (64 stored carries); √T segments bring it to 47.0
+    MiB, two levels (4 segments of 4 of 4) to 45.1 MiB (measured 12.4 MiB over the weights and inputs, simulated
+    12.6; the loop's final carries, which nothing reads, stay to the end of the run). The budget keeps the least
+    recomputation that fits: the loop as it is at the plain peak, one level at half of it (the fraction is of the
+    unsegmented peak), two levels at 46 MiB, which no one-level scheme reaches. The simulated peak of what is written
     fits the budget and the gradients are the plain graph's (relative L2 error 1e-6: the segments sum the
     weights' gradients in another order, which moves single float32 elements by up to 1e-4)."""
     from onnxgrad.api import load_graph as load
@@ -222,20 +223,20 @@ def test_budget_no_loop_scheme_fits(tmp_path):
     from onnxgrad.memory.budget import BudgetError
     model = _recurrence(tmp_path, 64)
     with pytest.raises(BudgetError, match=r"^--budget 40MiB: 40.0 MiB is below the least peak any schedule can reach, "
-                                          r"44.1 MiB .* \(loops tried: /Loop 64 iterations unsegmented; /Loop 64 "
+                                          r"45.1 MiB .* \(loops tried: /Loop 64 iterations unsegmented; /Loop 64 "
                                           r"iterations as 8 segments of 8; /Loop 64 iterations as 4 segments of 4 "
                                           r"segments of 4\)$") as e:
         onnxgrad.build(model, requires_grad=["decay", "b", "c"], mirror="budget", mirror_options={"budget": "40MiB"})
-    assert not e.value.report.fits and e.value.report.floor_bytes < 45 * 2**20
+    assert not e.value.report.fits and e.value.report.floor_bytes < 46 * 2**20
 
 
 def test_two_level_segments_simulated_as_measured(tmp_path):
     """256 steps under a 150 MiB budget: √T segments peak at 154.5 MiB, so the loop runs as 4 segments of 8 of 8
-    (about 20 carries alive instead of 32, for two more forward passes of the loop), 145.1 MiB simulated.
-    onnxruntime's run fits the budget too (its static bytes and the peak it adds). The peak it adds is higher than
-    the simulated one by more than the 5% the single-level tests hold: 17.7-18.2 MiB measured against 16.6
-    simulated here (+7-10%), about two carries more in the backward of the nested segments that the simulator does
-    not count (a two-level forward alone, and one level forward and backward, are simulated as measured)."""
+    (about 20 carries alive instead of 32, for two more forward passes of the loop). onnxruntime's run fits the
+    budget too (its static bytes and the peak it adds), and the peak it adds is the simulated one within 5%: 17.4
+    MiB measured, 17.6 simulated. (Before the simulator held outputs no node reads to the end of the run, as
+    onnxruntime does, it said 16.6 MiB: the nested segments' final carries, which nothing reads, are the two
+    carries it missed.)"""
     from onnxgrad.api import load_graph as load
     from onnxgrad.memory.measure import measure
     from onnxgrad.memory.simulate import simulate
@@ -249,4 +250,4 @@ def test_two_level_segments_simulated_as_measured(tmp_path):
     assert timeline.peak <= 150 * 2**20
     measured = measure(str(path))["peak_bytes"]
     assert timeline.static + measured <= 150 * 2**20, measured
-    assert 0 <= measured - timeline.dynamic_peak <= 0.12 * timeline.dynamic_peak, (measured, timeline.dynamic_peak)
+    assert abs(measured - timeline.dynamic_peak) <= 0.05 * timeline.dynamic_peak, (measured, timeline.dynamic_peak)

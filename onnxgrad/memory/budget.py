@@ -168,12 +168,15 @@ class BudgetProblem:
                 v = v.producer.inputs[0]
             return found
 
-        size, cost, inputs, recomputable, keep, scratch = [], [], [], [], set(), []
+        size, cost, inputs, recomputable, keep, scratch, through = [], [], [], [], set(), [], []
         for k, n in enumerate(self.nodes):
             size.append(0 if k in views else sum(nbytes[id(v)] for v in n.outputs if v.name))
             scratch.append(scratch_bytes(n, nbytes))
             cost.append(costs.cost(n))
-            inputs.append(sorted({j for v in n.all_inputs for j in owners(v)}))
+            chains = [owners(v) for v in n.all_inputs]
+            inputs.append(sorted({j for chain in chains for j in chain}))
+            # the view read directly, and its owners through it (the run of each that the view's run read)
+            through.append(sorted({(j, chain[0] if m else -1) for chain in chains for m, j in enumerate(chain)}))
             if any(id(v) in outputs for v in n.outputs):
                 keep.update(owners(n.outputs[0]) if k in views else [k])
             ok, why = self._may_recompute(n, outputs, read_by_name, save, recompute)
@@ -184,7 +187,7 @@ class BudgetProblem:
                                                    if t in graph.values}
         statics |= {id(v) for n in self.constants for v in n.outputs if v.name}
         self.problem = solvers.Problem(size, cost, inputs, recomputable, keep, sum(nbytes[i] for i in statics),
-                                       scratch)
+                                       scratch, through)
         self.forward_cost = sum(c for c, n in zip(cost, self.nodes) if n.phase == FORWARD)
 
     def tidy(self, solution: solvers.Solution) -> solvers.Solution:

@@ -3,9 +3,9 @@
 A `Problem` numbers a training graph's ops in the baseline order (forward then backward) and says, per op, the
 bytes of its output, the cost of running it, the ops it reads, whether it may run more than once, and which
 outputs live to the end. A schedule runs the ops in that order, with recomputations inserted. `profile` is the
-one liveness kernel: an output is allocated when its op runs and freed right after its last reader (the model
-onnxruntime applies to our graphs), so every solver is judged by the same simulator that checks the rewritten
-graph.
+one liveness kernel: an output is allocated when its op runs and freed right after its last reader, or held to
+the end when nothing reads it (the model onnxruntime applies to our graphs), so every solver is judged by the
+same simulator that checks the rewritten graph.
 
 Plans. A heuristic schedule is built from a plan of one entry per op, in stages like Checkmate's: stage t runs op
 t after recomputing, in index order, whatever op t needs that is not available. An op's entry is a horizon h and
@@ -38,6 +38,7 @@ class Arrays:
     read_count: np.ndarray
     read_start: np.ndarray
     read_ops: np.ndarray
+    read_via: np.ndarray  # per read, the view it goes through (-1: none): see Problem.through
     size: np.ndarray
     scratch: np.ndarray
     keep: np.ndarray
@@ -54,9 +55,14 @@ class Problem:
     cost: list[float]  # cost of running op i once
     inputs: list[list[int]]  # ops whose outputs op i reads
     recomputable: list[bool]  # may op i run more than once
-    keep: set[int]  # ops whose output stays live to the end (graph outputs)
+    keep: set[int]  # ops whose output stays live to the end (graph outputs; the problem adds the unread ones)
     static_bytes: int = 0  # bytes live for the whole run (parameters, graph inputs, ...)
     scratch: list[int] | None = None  # working memory op i's kernel takes while it runs (None: none)
+    # The reads the liveness kernel follows, per op: (op read, the view op it is read through, or -1 for a
+    # direct read). A view shares its owner's buffer, so a read through it holds the run of the owner the view's
+    # latest run read, not the owner's latest run (which differ when the owner is recomputed between the view and
+    # its reader). None: every input read directly.
+    through: list[list[tuple[int, int]]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.size)
@@ -75,6 +81,16 @@ class Problem:
             raise ValueError("problem: scratch must have one non-negative entry per op")
         if any(not 0 <= k < n for k in self.keep):
             raise ValueError(f"problem: keep names ops outside 0..{n - 1}")
+        # onnxruntime holds an output no node reads to the end of the run: such an op is kept
+        read = {j for ins in self.inputs for j in ins}
+        self.keep = set(self.keep) | {i for i in range(n) if i not in read}
+        if self.through is not None:
+            if len(self.through) != n:
+                raise ValueError("problem: through must have one entry per op")
+            for k, pairs in enumerate(self.through):
+                ins = set(self.inputs[k])
+                if any(i not in ins or (v != -1 and v not in ins) for i, v in pairs):
+                    raise ValueError(f"problem: op {k} reads through ops it does not read")
 
     @property
     def n(self) -> int:
@@ -88,11 +104,16 @@ class Problem:
     @cached_property
     def arrays(self) -> Arrays:
         """The problem as numpy arrays, for the liveness kernel."""
-        reads = self.reads
-        count = np.fromiter((len(r) for r in reads), dtype=np.int64, count=self.n)
+        if self.through is None:
+            pairs = [[(i, -1) for i in r] for r in self.reads]
+        else:
+            pairs = [sorted(set(t)) for t in self.through]
+        count = np.fromiter((len(r) for r in pairs), dtype=np.int64, count=self.n)
         start = np.cumsum(count) - count
-        flat = np.fromiter((i for r in reads for i in r), dtype=np.int64, count=int(count.sum()))
-        return Arrays(count, start, flat, np.asarray(self.size, dtype=np.int64),
+        total = int(count.sum())
+        flat = np.fromiter((i for r in pairs for i, _ in r), dtype=np.int64, count=total)
+        via = np.fromiter((v for r in pairs for _, v in r), dtype=np.int64, count=total)
+        return Arrays(count, start, flat, via, np.asarray(self.size, dtype=np.int64),
                       np.asarray(self.scratch, dtype=np.int64), np.asarray(sorted(self.keep), dtype=np.int64),
                       np.asarray(self.cost, dtype=float), np.asarray(self.movable, dtype=bool),
                       any(self.scratch))
@@ -198,15 +219,16 @@ class Simulation:
 
 def profile(problem: Problem, schedule: list[int], check: bool = False) -> Simulation:
     """Peak and live bytes of a schedule. An output is allocated when its op runs and freed right after the
-    last occurrence that reads it (a read takes the latest earlier occurrence of the producer), or right after
-    its op when nobody reads it; kept outputs are never freed; while an op runs, its inputs and its output are
-    live together. With `check`, a schedule that breaks a rule of the problem raises ValueError naming the
+    last occurrence that reads it (a read takes the latest earlier occurrence of the producer; through a view,
+    the occurrence the view read: `Problem.through`); a recomputed copy nobody reads and a kept output are never
+    freed (onnxruntime holds an output no node reads to the end of the run); a first run nobody reads is freed
+    right after its op; while an op runs, its inputs and its output are live together. With `check`, a schedule that breaks a rule of the problem raises ValueError naming the
     first rule broken (solvers skip the checks on schedules they built)."""
     if check:
         _check(problem, schedule)
     if len(schedule) == 0:
         return Simulation(problem.static_bytes, 0, [], 0.0, [])
-    ops, _, live_after, during = _liveness(problem, schedule)
+    ops, _, live_after, during, _ = _liveness(problem, schedule)
     peak_step = int(np.argmax(during))
     cost = problem.cost
     return Simulation(max(int(during[peak_step]), problem.static_bytes), peak_step, live_after.tolist(),
@@ -218,15 +240,17 @@ def measure(problem: Problem, schedule: list[int]) -> tuple[int, float, np.ndarr
     array: what a search keeps of each plan."""
     if len(schedule) == 0:
         return problem.static_bytes, 0.0, np.zeros(0, dtype=np.int64)
-    ops, _, _, during = _liveness(problem, schedule)
+    ops, _, _, during, _ = _liveness(problem, schedule)
     # a running sum adds in schedule order, as `profile`'s sum does, so the cost is the same to the last bit
     cost = float(np.cumsum(problem.arrays.cost[ops])[-1])
     return max(int(during.max()), problem.static_bytes), cost, during
 
 
-def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The schedule as an array, the position after which each step's output is freed (its own position: no
-    reader; the schedule's length: kept), and the live bytes after and during each step (see `profile`)."""
+def _liveness(problem: Problem, schedule: list[int]
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The schedule as an array, the position after which each step's output is freed (the schedule's length:
+    kept, or a copy read by nobody), the live bytes after and during each step (see `profile`), and which
+    recomputed copies no read takes."""
     length = len(schedule)
     arrays = problem.arrays
     ops = np.fromiter(schedule, dtype=np.int64, count=length)
@@ -236,13 +260,31 @@ def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.nda
     total = int(count.sum())
     reader = np.repeat(positions, count)
     first = np.repeat(arrays.read_start[ops] - (np.cumsum(count) - count), count)
-    read = arrays.read_ops[first + np.arange(total, dtype=np.int64)]
-    # the occurrence each read takes: the latest run of the op read before the reader's position
+    index = first + np.arange(total, dtype=np.int64)
+    read = arrays.read_ops[index]
+    # the occurrence each read takes: the latest run of the op read before the reader's position; through a
+    # view, the latest run before the view's own latest run
     stride = length + 1
     occurrences = np.sort(ops * stride + positions)
-    taken = occurrences[np.searchsorted(occurrences, read * stride + reader) - 1] % stride
-    end = positions.copy()  # freed right after itself unless someone reads it later
+    anchor = reader
+    via = arrays.read_via[index]
+    through = via >= 0
+    if through.any():
+        anchor = reader.copy()
+        anchor[through] = occurrences[np.searchsorted(occurrences, via[through] * stride + reader[through]) - 1] % stride
+    taken = occurrences[np.searchsorted(occurrences, read * stride + anchor) - 1] % stride
+    end = np.full(length, -1, dtype=np.int64)
     np.maximum.at(end, taken, reader)
+    # a recomputed copy no read takes is held to the end of the run, as onnxruntime holds an output no node reads
+    # (bench/trace_memory.py); a first run no read takes is freed at once (the graph's readers read the first run,
+    # so the copy that served them is the one nobody reads there, which `BudgetProblem.tidy` takes out; an op
+    # no op reads at all is kept)
+    unread = end < 0
+    op_of = occurrences // stride
+    first = np.zeros(length, dtype=bool)
+    first[occurrences[np.r_[True, op_of[1:] != op_of[:-1]]] % stride] = True
+    end[unread] = np.where(first[unread], positions[unread], length)
+    unread &= ~first
     if len(arrays.keep):
         # a kept output's last run is never freed: the last occurrence below the next op's first
         below = np.searchsorted(occurrences, (arrays.keep + 1) * stride) - 1
@@ -259,7 +301,7 @@ def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.nda
     during = live_after + freed
     if arrays.has_scratch:
         during += arrays.scratch[ops]
-    return ops, end, live_after, during
+    return ops, end, live_after, during, unread
 
 
 PRUNE_CHARGE = 256  # the least work one simulation of `prune` counts: a short schedule's time is mostly overhead
@@ -289,10 +331,10 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
             while True:  # drop the copies that now serve nobody, until none is left
                 kept = [q for q in range(len(current)) if q not in trial_removed]
                 trial = [current[q] for q in kept]
-                ops, end, _, during = _liveness(problem, trial)
+                ops, _, _, during, unread = _liveness(problem, trial)
                 steps += max(len(trial), PRUNE_CHARGE)
                 firsts = _first_positions(trial)
-                dead = [kept[q] for q in range(len(trial)) if end[q] == q and q not in firsts]
+                dead = [kept[q] for q in np.flatnonzero(unread)]
                 if not dead:
                     break
                 trial_removed |= set(dead)
