@@ -39,6 +39,7 @@ class Arrays:
     read_start: np.ndarray
     read_ops: np.ndarray
     read_via: np.ndarray  # per read, the view it goes through (-1: none): see Problem.through
+    has_via: bool
     size: np.ndarray
     scratch: np.ndarray
     keep: np.ndarray
@@ -113,7 +114,7 @@ class Problem:
         total = int(count.sum())
         flat = np.fromiter((i for r in pairs for i, _ in r), dtype=np.int64, count=total)
         via = np.fromiter((v for r in pairs for _, v in r), dtype=np.int64, count=total)
-        return Arrays(count, start, flat, via, np.asarray(self.size, dtype=np.int64),
+        return Arrays(count, start, flat, via, bool((via >= 0).any()), np.asarray(self.size, dtype=np.int64),
                       np.asarray(self.scratch, dtype=np.int64), np.asarray(sorted(self.keep), dtype=np.int64),
                       np.asarray(self.cost, dtype=float), np.asarray(self.movable, dtype=bool),
                       any(self.scratch))
@@ -267,9 +268,9 @@ def _liveness(problem: Problem, schedule: list[int]
     stride = length + 1
     occurrences = np.sort(ops * stride + positions)
     anchor = reader
-    via = arrays.read_via[index]
-    through = via >= 0
-    if through.any():
+    if arrays.has_via:
+        via = arrays.read_via[index]
+        through = via >= 0
         anchor = reader.copy()
         anchor[through] = occurrences[np.searchsorted(occurrences, via[through] * stride + reader[through]) - 1] % stride
     taken = occurrences[np.searchsorted(occurrences, read * stride + anchor) - 1] % stride
@@ -280,11 +281,12 @@ def _liveness(problem: Problem, schedule: list[int]
     # so the copy that served them is the one nobody reads there, which `BudgetProblem.tidy` takes out; an op
     # no op reads at all is kept)
     unread = end < 0
-    op_of = occurrences // stride
-    first = np.zeros(length, dtype=bool)
-    first[occurrences[np.r_[True, op_of[1:] != op_of[:-1]]] % stride] = True
-    end[unread] = np.where(first[unread], positions[unread], length)
-    unread &= ~first
+    if unread.any():
+        first = np.full(problem.n, length, dtype=np.int64)
+        np.minimum.at(first, ops, positions)
+        end[unread] = positions[unread]
+        unread &= positions != first[ops]  # the copies
+        end[unread] = length
     if len(arrays.keep):
         # a kept output's last run is never freed: the last occurrence below the next op's first
         below = np.searchsorted(occurrences, (arrays.keep + 1) * stride) - 1
