@@ -466,6 +466,11 @@ def test_a_read_through_a_view_holds_the_copy_the_view_read():
     schedule = [0, 1, 0, 2]
     assert solvers.profile(solvers.Problem(*args, through=through), schedule).peak == 4 + 4 + 1
     assert solvers.profile(solvers.Problem(*args), schedule).peak == 4 + 1
+    # read only through the view, the copy serves nobody: it is held to the end, and `tidy` takes it out
+    only_through = solvers.Problem(*args, through=[[], [(0, -1)], [(0, 1), (1, -1)]])
+    assert solvers.profile(only_through, schedule).peak == 4 + 4 + 1
+    assert solvers.unread_copies(only_through, schedule) == [2]
+    assert solvers.profile(only_through, [0, 1, 2]).peak == 4 + 1
 
 
 def test_an_output_nobody_reads_is_held_to_the_end(tmp_path):

@@ -202,29 +202,14 @@ class BudgetProblem:
         first_run: dict[int, int] = {}
         for p, k in enumerate(schedule):
             first_run.setdefault(k, p)
-        keep = [p >= first_backward or first_run[k] == p for p, k in enumerate(schedule)]
-        inputs = self.problem.inputs
+        tidied = [k for p, k in enumerate(schedule) if p >= first_backward or first_run[k] == p]
         while True:  # a dead copy can leave the copies it read dead in turn
-            read: set[int] = set()        # ops a later kept copy or backward op reads the latest copy of
-            dead = []
-            for p in range(len(schedule) - 1, -1, -1):
-                if not keep[p]:
-                    continue
-                k = schedule[p]
-                first = p == first_run[k]
-                if not first and k not in read:
-                    dead.append(p)
-                    continue
-                read.discard(k)
-                if not first or self.nodes[k].phase == BACKWARD:
-                    read.update(inputs[k])
+            dead = set(solvers.unread_copies(self.problem, tidied))
             if not dead:
                 break
-            for p in dead:
-                keep[p] = False
-        if all(keep):
+            tidied = [k for p, k in enumerate(tidied) if p not in dead]
+        if len(tidied) == len(schedule):
             return solution
-        tidied = [k for k, kept in zip(schedule, keep) if kept]
         return solvers.make_solution(self.problem, tidied, solution.solver, None, solution.status)
 
     @staticmethod

@@ -349,6 +349,15 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
         current = [op for q, op in enumerate(current) if q not in removed]
 
 
+def unread_copies(problem: Problem, schedule: list[int]) -> list[int]:
+    """The positions of recomputed copies that no read takes (`profile`'s rules, views included): taking one
+    out changes no read, so the schedule then holds less and costs less. Taking one out may leave the copies it
+    read unread in turn; call again until none is left."""
+    if len(schedule) == 0:
+        return []
+    return np.flatnonzero(_liveness(problem, schedule)[4]).tolist()
+
+
 def _first_positions(schedule: list[int]) -> set[int]:
     """The positions where each op runs for the first time."""
     seen: set[int] = set()
