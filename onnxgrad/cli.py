@@ -313,7 +313,8 @@ def build_grad(mirror, **flags):
                    "levels of segments (one more forward pass of the loop per level); auto keeps sqrt(T).")
 @click.option("--solver", "solver_name", type=_Kinds(".memory.solvers", "SOLVERS"),
               help="With --budget: fast (the default: a front of block-DP plans, segment schemes and a local "
-                   "search; seconds on 10k-node graphs), dp (the block DP alone), exact (CP-SAT from the fast "
+                   "search, with the recomputations an earlier copy can serve taken out; seconds on 10k-node "
+                   "graphs), dp (the block DP alone), exact (CP-SAT from the fast "
                    "plan: the optimum, or its gap, within --time-limit) or milp (Checkmate's mixed-integer "
                    "program through HiGHS, for small graphs; within --time-limit). Every solver's plan comes "
                    "with its gap to a lower bound on any plan's extra compute (in the report and on stderr); a "
