@@ -223,13 +223,14 @@ def profile(problem: Problem, schedule: list[int], check: bool = False) -> Simul
     last occurrence that reads it (a read takes the latest earlier occurrence of the producer; through a view,
     the occurrence the view read: `Problem.through`); a recomputed copy nobody reads and a kept output are never
     freed (onnxruntime holds an output no node reads to the end of the run); a first run nobody reads is freed
-    right after its op; while an op runs, its inputs and its output are live together. With `check`, a schedule that breaks a rule of the problem raises ValueError naming the
-    first rule broken (solvers skip the checks on schedules they built)."""
+    right after its op; while an op runs, its inputs and its output are live together. With `check`, a schedule
+    that breaks a rule of the problem raises ValueError naming the first rule broken (solvers skip the checks on
+    schedules they built)."""
     if check:
         _check(problem, schedule)
     if len(schedule) == 0:
         return Simulation(problem.static_bytes, 0, [], 0.0, [])
-    ops, _, live_after, during, _ = _liveness(problem, schedule)
+    ops, live_after, during, _ = _liveness(problem, schedule)
     peak_step = int(np.argmax(during))
     cost = problem.cost
     return Simulation(max(int(during[peak_step]), problem.static_bytes), peak_step, live_after.tolist(),
@@ -241,17 +242,15 @@ def measure(problem: Problem, schedule: list[int]) -> tuple[int, float, np.ndarr
     array: what a search keeps of each plan."""
     if len(schedule) == 0:
         return problem.static_bytes, 0.0, np.zeros(0, dtype=np.int64)
-    ops, _, _, during, _ = _liveness(problem, schedule)
+    ops, _, during, _ = _liveness(problem, schedule)
     # a running sum adds in schedule order, as `profile`'s sum does, so the cost is the same to the last bit
     cost = float(np.cumsum(problem.arrays.cost[ops])[-1])
     return max(int(during.max()), problem.static_bytes), cost, during
 
 
-def _liveness(problem: Problem, schedule: list[int]
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The schedule as an array, the position after which each step's output is freed (the schedule's length:
-    kept, or a copy read by nobody), the live bytes after and during each step (see `profile`), and which
-    recomputed copies no read takes."""
+def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The schedule as an array, the live bytes after and during each step (see `profile`), and which recomputed
+    copies no read takes."""
     length = len(schedule)
     arrays = problem.arrays
     ops = np.fromiter(schedule, dtype=np.int64, count=length)
@@ -272,7 +271,8 @@ def _liveness(problem: Problem, schedule: list[int]
         via = arrays.read_via[index]
         through = via >= 0
         anchor = reader.copy()
-        anchor[through] = occurrences[np.searchsorted(occurrences, via[through] * stride + reader[through]) - 1] % stride
+        views_taken = np.searchsorted(occurrences, via[through] * stride + reader[through]) - 1
+        anchor[through] = occurrences[views_taken] % stride
     taken = occurrences[np.searchsorted(occurrences, read * stride + anchor) - 1] % stride
     end = np.full(length, -1, dtype=np.int64)
     np.maximum.at(end, taken, reader)
@@ -282,10 +282,10 @@ def _liveness(problem: Problem, schedule: list[int]
     # no op reads at all is kept)
     unread = end < 0
     if unread.any():
-        first = np.full(problem.n, length, dtype=np.int64)
-        np.minimum.at(first, ops, positions)
+        first_run = np.full(problem.n, length, dtype=np.int64)
+        np.minimum.at(first_run, ops, positions)
         end[unread] = positions[unread]
-        unread &= positions != first[ops]  # the copies
+        unread &= positions != first_run[ops]  # the copies
         end[unread] = length
     if len(arrays.keep):
         # a kept output's last run is never freed: the last occurrence below the next op's first
@@ -303,7 +303,7 @@ def _liveness(problem: Problem, schedule: list[int]
     during = live_after + freed
     if arrays.has_scratch:
         during += arrays.scratch[ops]
-    return ops, end, live_after, during, unread
+    return ops, live_after, during, unread
 
 
 PRUNE_CHARGE = 256  # the least work one simulation of `prune` counts: a short schedule's time is mostly overhead
@@ -333,9 +333,8 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
             while True:  # drop the copies that now serve nobody, until none is left
                 kept = [q for q in range(len(current)) if q not in trial_removed]
                 trial = [current[q] for q in kept]
-                ops, _, _, during, unread = _liveness(problem, trial)
+                ops, _, during, unread = _liveness(problem, trial)
                 steps += max(len(trial), PRUNE_CHARGE)
-                firsts = _first_positions(trial)
                 dead = [kept[q] for q in np.flatnonzero(unread)]
                 if not dead:
                     break
@@ -355,7 +354,7 @@ def unread_copies(problem: Problem, schedule: list[int]) -> list[int]:
     read unread in turn; call again until none is left."""
     if len(schedule) == 0:
         return []
-    return np.flatnonzero(_liveness(problem, schedule)[4]).tolist()
+    return np.flatnonzero(_liveness(problem, schedule)[3]).tolist()
 
 
 def _first_positions(schedule: list[int]) -> set[int]:
