@@ -412,6 +412,19 @@ def test_the_budget_path_prunes_its_front(monkeypatch):
     assert limits.prune_work == max(limits.work, budget.PRUNE_WORK_PER_OP * n) > 0
 
 
+def test_the_sweep_draws_the_front_the_budget_chooses_from(monkeypatch):
+    """`mirror --sweep` draws the same pruned front that `mirror --budget` chooses from, so a row of the sweep
+    is never costlier than the plan the budget path writes at that peak."""
+    from onnxgrad.memory import solvers
+    seen = []
+    front = solvers.front
+    monkeypatch.setattr(solvers, "front",
+                        lambda problem, limits: seen.append(limits) or front(problem, limits))
+    onnxgrad.build(mlp_tail(layers=4, width=64, batch=256), loss_fn="mse", mirror="budget",
+                   mirror_options={"budget": "0.6x", "sweep": "unused.png"})
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0].prune_work > 0
+
+
 def test_a_plan_over_the_budget_as_written_retries_down_to_the_least_peak(monkeypatch):
     """The problem's peak and the written graph's differ by an offset that is not the same at every plan. When
     the first plan is over the budget as written, the next request lies below it by the excess, but never below

@@ -46,6 +46,14 @@ COSTS = ("model", "prices", "profile")
 PRUNE_WORK_PER_OP = 500
 
 
+def solver_limits(problem: solvers.Problem, work: int = solvers.DEFAULT_WORK, time_limit: float = 60.0,
+                  workers: int = 2) -> solvers.Limits:
+    """What the solvers may spend on `problem`, the fast solver's front pruned (`PRUNE_WORK_PER_OP`): the one
+    front that `mirror --budget` chooses from and `mirror --sweep` draws."""
+    return solvers.Limits(work=work, time_limit=time_limit, workers=workers,
+                          prune_work=max(work, PRUNE_WORK_PER_OP * problem.n))
+
+
 @dataclass(frozen=True)
 class MirrorOptions:
     """What the mirror pass is asked, parsed once. `budget`: bytes, a fraction of the unmirrored peak ("0.4x"),
@@ -376,8 +384,7 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
         r = report(None, None, None)
         raise BudgetError(f"--budget {budget.text}: {format_bytes(wanted)} is below the least peak any schedule can reach, "
                           f"{format_bytes(least)} ({_floor_parts(bp)})", r)
-    limits = solvers.Limits(work=options.work, time_limit=options.time_limit, workers=options.workers,
-                            prune_work=max(options.work, PRUNE_WORK_PER_OP * problem.n))
+    limits = solver_limits(problem, options.work, options.time_limit, options.workers)
     max_extra = options.max_extra_passes * bp.forward_cost * (1 + 1e-9)  # with rounding room
     front = solvers.front(problem, limits).within(max_extra)
     found = front.least_peak

@@ -1,6 +1,7 @@
 """Peak memory against extra compute, over every budget the fast solver reaches (`mirror --sweep`).
 
-Each point is a schedule of the budget solver's Pareto front, its peak checked on the graph itself
+Each point is a schedule of the budget solver's Pareto front (the same front, pruned, that `mirror --budget`
+chooses from), its peak checked on the graph itself
 (`simulate.peak_of_plan`). Three reference points are marked: store-all (no recomputation), MXNet's mirroring
 plan, and Chen et al.'s sqrt(n) segments (checkpoints at every sqrt(n)-th narrow point of the forward pass,
 everything between them recomputed once); so are the floor (the peak no schedule goes below), the plan the
@@ -13,7 +14,7 @@ import math
 
 from ..errors import UsageError
 from . import solvers
-from .budget import BudgetProblem
+from .budget import BudgetProblem, solver_limits
 from .simulate import format_bytes, peak_of_plan
 from .solvers.fast import segment_plan
 
@@ -31,7 +32,7 @@ def sweep(bp: BudgetProblem, nbytes: dict[int, int], mxnet_order: list | None, p
     schedule goes below (its extra passes and recomputations null). The progress bar is shown only while
     onnxgrad logs progress (not under `onnxgrad -q`)."""
     graph, problem = bp.graph, bp.problem
-    front = solvers.front(problem, solvers.Limits(work=work)).solutions()
+    front = solvers.front(problem, solver_limits(problem, work)).solutions()
     points = [("front", s) for s in front] + [("chen", chen_solution(problem))]
     rows = []
     items = progress(points) if progress and logging.getLogger("onnxgrad").isEnabledFor(logging.INFO) else points
