@@ -65,6 +65,22 @@ def test_cp_sat_proves_the_optimum_of_a_small_chain():
         solvers.validate(problem, exact.schedule)
 
 
+def test_cp_sat_reads_through_a_view_as_the_simulator_does():
+    """Op 1 is a view of op 0; op 4 reads op 0 directly and through the view, and op 2 (4 bytes, fixed) runs
+    between them. At a budget of 6, op 0 must not be alive across op 2: recomputing op 0 alone leaves the view's
+    read on the first run, which the simulator then holds across op 2 (peak 10); the view must be recomputed too.
+    CP-SAT, free to let a read through a view take any copy, chose the first schedule, and on ResNet-50 at 0.5x
+    raised an internal error."""
+    problem = solvers.Problem([4, 0, 4, 1, 1], [1.0, 0.5, 1.0, 1.0, 1.0], [[], [0], [], [2], [0, 1, 3]],
+                              [True, True, False, False, False], {4},
+                              through=[[], [(0, -1)], [], [(2, -1)], [(0, -1), (0, 1), (1, -1), (3, -1)]])
+    assert solvers.profile(problem, [0, 1, 2, 3, 0, 4]).peak == 10
+    assert solvers.profile(problem, [0, 1, 2, 3, 0, 1, 4]).peak == 6
+    exact = solvers.solve_exact(problem, 6, time_limit=20, workers=1)
+    assert exact is not None and exact.status == "optimal"
+    assert exact.peak <= 6 and exact.extra_cost == 1.5 and exact.schedule == [0, 1, 2, 3, 0, 1, 4]
+
+
 def test_cp_sat_is_never_worse_than_its_hint_and_reports_a_gap():
     problem = random_training_dag(30, 4)
     front = solvers.front(problem, solvers.Limits(work=WORK))
