@@ -211,11 +211,7 @@ class BudgetProblem:
         for p, k in enumerate(schedule):
             first_run.setdefault(k, p)
         tidied = [k for p, k in enumerate(schedule) if p >= first_backward or first_run[k] == p]
-        while True:  # a dead copy can leave the copies it read dead in turn
-            dead = set(solvers.unread_copies(self.problem, tidied))
-            if not dead:
-                break
-            tidied = [k for p, k in enumerate(tidied) if p not in dead]
+        tidied = solvers.without_unread_copies(self.problem, tidied)
         if len(tidied) == len(schedule):
             return solution
         return solvers.make_solution(self.problem, tidied, solution.solver, None, solution.status)

@@ -22,7 +22,8 @@ from .front import Candidate, Front, OutOfWork, Pool, best_under
 from .milp import SolverTimeout, solve_milp
 from .problem import (DROP, HOLD, REUSE, SHORT, Problem, Simulation, Solution, build_schedule,  # noqa: F401
                       extra_cost_bound, floor, floor_parts, make_solution, narrow_points, necessary_bytes, plan_entry,
-                      plan_of_classes, profile, prune, simulate, unread_copies, validate)
+                      plan_of_classes, profile, prune, simulate, unread_copies, validate,
+                      without_unread_copies)
 
 
 @dataclass(frozen=True)

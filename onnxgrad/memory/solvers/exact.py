@@ -20,10 +20,9 @@ run to run; a single worker is deterministic.
 from __future__ import annotations
 
 import logging
-import math
 
 from ...errors import UsageError
-from .problem import Problem, Solution, extra_cost_bound, make_solution, profile
+from .problem import Problem, Solution, extra_cost_bound, make_solution, without_unread_copies
 
 COPIES = 3  # runs allowed per movable op (one run plus two recomputations); the hint may raise it per op
 
@@ -141,7 +140,7 @@ def solve_exact(problem: Problem, budget: int, time_limit: float = 60.0, hint: S
         return _with_gap(problem, hint, max(bound, solver.BestObjectiveBound() / scale), "feasible")
     occurrences = sorted((solver.Value(start[v][k]), v) for v in range(n) for k in range(runs[v])
                          if k == 0 or solver.Value(present[v][k]))
-    schedule = [v for _, v in occurrences]
+    schedule = without_unread_copies(problem, [v for _, v in occurrences])
     status = "optimal" if code == cp_model.OPTIMAL else "feasible"
     solution = make_solution(problem, schedule, "exact", status=status)
     if solution.peak > budget:

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from ...errors import InternalError, UsageError
-from .problem import Problem, Solution, make_solution
+from .problem import Problem, Solution, make_solution, without_unread_copies
 
 
 class SolverTimeout(UsageError, TimeoutError):
@@ -163,7 +163,8 @@ def solve_milp(problem: Problem, budget: int, time_limit: float = 60.0, mip_rel_
                                     f"(HiGHS: {result.message})")
             return None
         x = result.x
-        schedule = [i for t in range(n) for i in sorted(R[t]) if x[R[t][i]] > 0.5]
+        # a copy the program made but no read takes would be held to the end: taken out, it costs less
+        schedule = without_unread_copies(problem, [i for t in range(n) for i in sorted(R[t]) if x[R[t][i]] > 0.5])
         gap = getattr(result, "mip_gap", None)
         gap = None if gap is None else max(0.0, float(gap))
         status = "optimal" if result.status == 0 else "feasible"

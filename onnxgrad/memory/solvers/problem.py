@@ -357,6 +357,16 @@ def unread_copies(problem: Problem, schedule: list[int]) -> list[int]:
     return np.flatnonzero(_liveness(problem, schedule)[3]).tolist()
 
 
+def without_unread_copies(problem: Problem, schedule: list[int]) -> list[int]:
+    """The schedule less every recomputed copy that no read takes, and the copies that only those read, in
+    turn: the same reads, less held and less run."""
+    while True:
+        dead = set(unread_copies(problem, schedule))
+        if not dead:
+            return schedule
+        schedule = [k for p, k in enumerate(schedule) if p not in dead]
+
+
 def _first_positions(schedule: list[int]) -> set[int]:
     """The positions where each op runs for the first time."""
     seen: set[int] = set()
