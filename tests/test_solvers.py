@@ -166,6 +166,48 @@ def test_pruning_holds_a_copy_where_the_staged_plan_recomputes_it():
     assert all(c.schedule is None for c in plain.points)  # no pruning asked, none done
 
 
+def _prune_by_simulation(problem, schedule, budget):
+    """`solvers.prune` as its rule says, with no shortcut: every removal simulated, dead copies dropped."""
+    current = list(schedule)
+    while True:
+        firsts = {min(p for p, k in enumerate(current) if k == op) for op in set(current)}
+        removed = set()
+        for p in sorted((p for p in range(len(current)) if p not in firsts), key=lambda q: (-problem.cost[current[q]], q)):
+            if p in removed:
+                continue
+            trial = removed | {p}
+            while True:
+                kept = [q for q in range(len(current)) if q not in trial]
+                dead = solvers.unread_copies(problem, [current[q] for q in kept])
+                if not dead:
+                    break
+                trial |= {kept[q] for q in dead}
+            if solvers.profile(problem, [current[q] for q in kept]).peak <= budget:
+                removed = trial
+        if not removed:
+            return current
+        current = [k for q, k in enumerate(current) if q not in removed]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_pruning_refuses_unsimulated_only_what_a_simulation_refuses(seed):
+    """`prune` refuses a removal without simulating it when the copy before, held longer, breaks the budget on
+    steps nothing else changes, and finds the copies that go with it from the reads. Its schedules are those of
+    a prune that simulates every removal (ResNet-50's front: the same plans in 2.2 s instead of 13)."""
+    problem = random_training_dag(30, seed)
+    front = solvers.front(problem, solvers.Limits(work=100_000))
+    tried = 0
+    for c in front.points[:8]:
+        schedule = solvers.build_schedule(problem, c.plan)
+        if len(schedule) == problem.n:
+            continue
+        kept, peak, cost, _ = solvers.prune(problem, schedule, c.peak, 10**12)
+        assert kept == _prune_by_simulation(problem, schedule, c.peak)
+        assert solvers.profile(problem, kept).peak == peak <= c.peak
+        tried += 1
+    assert tried >= 4
+
+
 def test_the_walk_up_the_grid_finds_cheaper_plans_on_a_random_dag():
     # at equal work, the fast solver's front is cheaper at budgets in the middle of the range than a front grown
     # by the walk down from the plain peak alone (each budget climbing from the least peak)

@@ -40,10 +40,11 @@ SOLVERS = ("fast", "dp", "exact", "milp")
 MAX_EXTRA_PASSES = 4.0
 COSTS = ("model", "prices", "profile")
 # Schedule steps per problem op, and at least the search's own work, that the fast solver spends pruning its
-# front (`solvers.prune`). On ResNet-50's least budget (training sizes) it takes the plan from 2.71 extra forward
-# passes to 0.97 and adds 0.5 s; on the transformer exports it finds nothing to take out; on the 30-op random DAG's
-# least peak (60 ops with the backward) it cuts the cost from 515 to 190 (BENCHMARKS.md).
-PRUNE_WORK_PER_OP = 500
+# front (`solvers.prune`). On ResNet-50 (training sizes, as `mirror` builds it from the forward model) it lowers
+# the least peak within 4 extra forward passes from 332 to 319 MiB (1.4 passes) and adds about 1 s; the transformer
+# exports have too many movable ops for the local search and are not pruned; on the 30-op random DAG's least peak
+# (60 ops with the backward) it cuts the cost from 515 to 190; a front of 800 ops stays under 1 s (BENCHMARKS.md).
+PRUNE_WORK_PER_OP = 2000
 
 
 def solver_limits(problem: solvers.Problem, work: int = solvers.DEFAULT_WORK, time_limit: float = 60.0,

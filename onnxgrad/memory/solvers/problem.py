@@ -251,9 +251,33 @@ def measure(problem: Problem, schedule: list[int]) -> tuple[int, float, np.ndarr
 def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The schedule as an array, the live bytes after and during each step (see `profile`), and which recomputed
     copies no read takes."""
+    trace = _trace(problem, schedule)
+    return trace.ops, trace.live_after, trace.during, trace.unread
+
+
+class _Trace(NamedTuple):
+    """`_liveness`'s arrays and the reads behind them: per step, where its reads begin in `taken` (`begin`,
+    `count`), the step each read takes (`taken`) and the step that reads it (`reader`), and the step after which
+    each output is freed (`end`; the schedule's length: held to the end)."""
+
+    ops: np.ndarray
+    live_after: np.ndarray
+    during: np.ndarray
+    unread: np.ndarray
+    end: np.ndarray
+    begin: np.ndarray
+    count: np.ndarray
+    taken: np.ndarray
+    reader: np.ndarray
+
+
+def _trace(problem: Problem, schedule: list[int] | np.ndarray) -> _Trace:
     length = len(schedule)
     arrays = problem.arrays
-    ops = np.fromiter(schedule, dtype=np.int64, count=length)
+    if isinstance(schedule, np.ndarray):
+        ops = schedule.astype(np.int64, copy=False)
+    else:
+        ops = np.fromiter(schedule, dtype=np.int64, count=length)
     positions = np.arange(length, dtype=np.int64)
     # every read: (position of the reader, op read), in schedule order
     count = arrays.read_count[ops]
@@ -303,7 +327,7 @@ def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.nda
     during = live_after + freed
     if arrays.has_scratch:
         during += arrays.scratch[ops]
-    return ops, live_after, during, unread
+    return _Trace(ops, live_after, during, unread, end, np.cumsum(count) - count, count, taken, reader)
 
 
 PRUNE_CHARGE = 256  # the least work one simulation of `prune` counts: a short schedule's time is mostly overhead
@@ -311,41 +335,108 @@ PRUNE_CHARGE = 256  # the least work one simulation of `prune` counts: a short s
 
 def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tuple[list[int], int, float, int]:
     """Recomputations a schedule can do without: each, the costliest first, is taken out when the copy before
-    it can serve its readers instead (it is then held longer) and the peak stays within `budget`; a copy that
-    then serves no reader goes too. A staged plan cannot say this (a value held, then recomputed, then held
-    again), so it cuts the cost of the plans a search over stages finds. Stops when a pass takes nothing out, or
-    when `work` schedule steps have been simulated (each simulation counts at least PRUNE_CHARGE). Returns
-    (schedule, peak, cost, steps counted)."""
-    cost = problem.cost
-    current = list(schedule)
-    peak, total, _ = measure(problem, current)
+    it can serve its readers instead (it is then held longer) and the peak stays within `budget`; the copies
+    that then serve no reader go with it. A staged plan cannot say this (a value held, then recomputed, then held
+    again), so it cuts the cost of the plans a search over stages finds. Before a removal is simulated, the copy
+    before it, held longer, is added to the live bytes of the steps that change in no other way (up to the first
+    copy taken out, and to the earliest step at which an output those copies read is freed sooner): when that
+    alone breaks the budget, the removal is refused without a simulation.
+    Stops when a pass takes nothing out, or when `work` schedule steps have been simulated or scanned (each
+    simulation, and each removal refused unsimulated, counts at least PRUNE_CHARGE). Returns (schedule, peak, cost, steps counted)."""
+    cost, size = problem.arrays.cost, problem.arrays.size
+    current = np.asarray(schedule, dtype=np.int64)
+    trace = _trace(problem, current)
+    peak = max(int(trace.during.max()), problem.static_bytes) if len(current) else problem.static_bytes
+    total = float(np.cumsum(cost[current])[-1]) if len(current) else 0.0
     steps = max(len(current), PRUNE_CHARGE)
     while True:
-        firsts = _first_positions(current)
-        recomputed = [p for p in range(len(current)) if p not in firsts]
-        removed: set[int] = set()  # positions of `current` taken out in this pass
-        for p in sorted(recomputed, key=lambda q: (-cost[current[q]], q)):
-            if p in removed:
+        firsts = np.zeros(len(current), dtype=bool)
+        firsts[np.unique(current, return_index=True)[1]] = True
+        recomputed = np.flatnonzero(~firsts)
+        order = recomputed[np.lexsort((recomputed, -cost[current[recomputed]]))]
+        kept = np.ones(len(current), dtype=bool)  # positions of `current` in the schedule tried last
+        state = _PruneState(trace, firsts)
+        taken_out = False
+        for q in order.tolist():
+            if not kept[q]:
                 continue
             if steps >= work:
-                return [op for q, op in enumerate(current) if q not in removed], peak, total, steps
-            trial_removed = removed | {p}
-            while True:  # drop the copies that now serve nobody, until none is left
-                kept = [q for q in range(len(current)) if q not in trial_removed]
-                trial = [current[q] for q in kept]
-                ops, _, during, unread = _liveness(problem, trial)
+                return current[kept].tolist(), peak, total, steps
+            t = int(state.where[q])
+            dead = state.dead_with(t)
+            v = int(current[q])
+            before = np.flatnonzero(state.trace.ops[:t] == v)
+            held_from = state.end[int(before[-1])] + 1 if len(before) else t
+            until = state.unchanged_until(dead, size)
+            if held_from < until and int(state.trace.during[held_from:until].max()) + int(size[v]) > budget:
+                steps += max(until - held_from + len(dead), PRUNE_CHARGE)  # the scans, at least a simulation's charge
+                continue
+            trial_kept = kept.copy()
+            trial_kept[state.index[dead]] = False
+            while True:  # drop any copy that still serves nobody, until none is left
+                trial = current[trial_kept]
+                result = _trace(problem, trial)
                 steps += max(len(trial), PRUNE_CHARGE)
-                dead = [kept[q] for q in np.flatnonzero(unread)]
-                if not dead:
+                if not result.unread.any():
                     break
-                trial_removed |= set(dead)
-            trial_peak = max(int(during.max()), problem.static_bytes) if len(trial) else problem.static_bytes
+                trial_kept[np.flatnonzero(trial_kept)[result.unread]] = False
+            trial_peak = max(int(result.during.max()), problem.static_bytes) if len(trial) else problem.static_bytes
             if trial_peak <= budget:
-                removed = trial_removed
-                peak, total = trial_peak, float(np.cumsum(problem.arrays.cost[ops])[-1])
-        if not removed:
-            return current, peak, total, steps
-        current = [op for q, op in enumerate(current) if q not in removed]
+                kept, taken_out = trial_kept, True
+                peak, total = trial_peak, float(np.cumsum(cost[result.ops])[-1])
+                state = _PruneState(result, firsts[kept], kept)
+        if not taken_out:
+            return current.tolist(), peak, total, steps
+        current, trace = current[kept], state.trace
+
+
+class _PruneState:
+    """A schedule `prune` is trying, as positions of the pass's schedule (`kept`), its trace, and the readers of
+    each of its copies (as lists: the searches below walk them one read at a time)."""
+
+    def __init__(self, trace: _Trace, firsts: np.ndarray, kept: np.ndarray | None = None):
+        self.trace, self.firsts = trace, firsts.tolist()
+        self.index = np.flatnonzero(kept) if kept is not None else np.arange(len(trace.ops))
+        self.where = np.full(len(kept) if kept is not None else len(trace.ops), -1, dtype=np.int64)
+        self.where[self.index] = np.arange(len(self.index))
+        readers = np.bincount(trace.taken, minlength=len(trace.ops))
+        self.readers = readers.tolist()
+        self.taken, self.begin = trace.taken.tolist(), trace.begin.tolist()
+        self.stop = (trace.begin + trace.count).tolist()
+        self.end = trace.end.tolist()
+        # the steps that read each copy, in order: copy c's are read_by[read_from[c]:read_from[c + 1]]
+        self.read_by = trace.reader[np.argsort(trace.taken, kind="stable")].tolist()
+        self.read_from = np.concatenate(([0], np.cumsum(readers))).tolist()
+
+    def dead_with(self, t: int) -> list[int]:
+        """Step t and the recomputed copies that only it, or copies dead in turn, read."""
+        readers, firsts, taken, begin, stop = self.readers, self.firsts, self.taken, self.begin, self.stop
+        dead, left = [t], {}
+        for d in dead:
+            for c in taken[begin[d]:stop[d]]:
+                n = left.get(c, readers[c]) - 1
+                left[c] = n
+                if n == 0 and not firsts[c]:
+                    dead.append(c)
+        return dead
+
+    def unchanged_until(self, dead: list[int], size: np.ndarray) -> int:
+        """The first step whose live bytes taking out `dead` may lower, other than by the copies themselves: the
+        first of them, or the step after the new last reader of an output only they read last. 0 when a copy is
+        a view (taking it out moves reads through it to other copies)."""
+        if not size[self.trace.ops[dead]].all():
+            return 0
+        taken, begin, stop, end, read_by, read_from = (self.taken, self.begin, self.stop, self.end, self.read_by,
+                                                       self.read_from)
+        out = set(dead)
+        until = min(dead)
+        for d in dead:
+            for c in taken[begin[d]:stop[d]]:
+                if c in out or end[c] not in out:
+                    continue
+                later = [r for r in read_by[read_from[c]:read_from[c + 1]] if r not in out]
+                until = min(until, max(later, default=c) + 1)
+        return until
 
 
 def unread_copies(problem: Problem, schedule: list[int]) -> list[int]:
