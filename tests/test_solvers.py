@@ -172,7 +172,8 @@ def _prune_by_simulation(problem, schedule, budget):
     while True:
         firsts = {min(p for p, k in enumerate(current) if k == op) for op in set(current)}
         removed = set()
-        for p in sorted((p for p in range(len(current)) if p not in firsts), key=lambda q: (-problem.cost[current[q]], q)):
+        recomputed = [p for p in range(len(current)) if p not in firsts]
+        for p in sorted(recomputed, key=lambda q: (-problem.cost[current[q]], q)):
             if p in removed:
                 continue
             trial = removed | {p}

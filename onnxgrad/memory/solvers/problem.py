@@ -340,9 +340,9 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
     again), so it cuts the cost of the plans a search over stages finds. Before a removal is simulated, the copy
     before it, held longer, is added to the live bytes of the steps that change in no other way (up to the first
     copy taken out, and to the earliest step at which an output those copies read is freed sooner): when that
-    alone breaks the budget, the removal is refused without a simulation.
-    Stops when a pass takes nothing out, or when `work` schedule steps have been simulated or scanned (each
-    simulation, and each removal refused unsimulated, counts at least PRUNE_CHARGE). Returns (schedule, peak, cost, steps counted)."""
+    alone breaks the budget, the removal is refused without a simulation. Stops when a pass takes nothing out,
+    or when `work` schedule steps have been simulated or scanned (each simulation, and each removal refused
+    unsimulated, counts at least PRUNE_CHARGE). Returns (schedule, peak, cost, steps counted)."""
     cost, size = problem.arrays.cost, problem.arrays.size
     current = np.asarray(schedule, dtype=np.int64)
     trace = _trace(problem, current)
@@ -456,17 +456,6 @@ def without_unread_copies(problem: Problem, schedule: list[int]) -> list[int]:
         if not dead:
             return schedule
         schedule = [k for p, k in enumerate(schedule) if p not in dead]
-
-
-def _first_positions(schedule: list[int]) -> set[int]:
-    """The positions where each op runs for the first time."""
-    seen: set[int] = set()
-    firsts = set()
-    for p, op in enumerate(schedule):
-        if op not in seen:
-            seen.add(op)
-            firsts.add(p)
-    return firsts
 
 
 def _check(problem: Problem, schedule: list[int]) -> None:
