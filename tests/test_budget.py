@@ -410,6 +410,7 @@ def test_the_budget_path_prunes_its_front(monkeypatch):
                    mirror_options={"budget": "0.6x"})
     [(n, limits)] = seen
     assert limits.prune_work == max(limits.work, budget.PRUNE_WORK_PER_OP * n) > 0
+    assert limits.prune_below is not None  # the schedules under the budget are pruned first
 
 
 def test_the_sweep_draws_the_front_the_budget_chooses_from(monkeypatch):

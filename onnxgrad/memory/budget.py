@@ -48,11 +48,20 @@ PRUNE_WORK_PER_OP = 2000
 
 
 def solver_limits(problem: solvers.Problem, work: int = solvers.DEFAULT_WORK, time_limit: float = 60.0,
-                  workers: int = 2) -> solvers.Limits:
-    """What the solvers may spend on `problem`, the fast solver's front pruned (`PRUNE_WORK_PER_OP`): the one
-    front that `mirror --budget` chooses from and `mirror --sweep` draws."""
+                  workers: int = 2, target: int | None = None) -> solvers.Limits:
+    """What the solvers may spend on `problem`, the fast solver's front pruned (`PRUNE_WORK_PER_OP`), the
+    schedules under `target` (the problem's budget) first: the one front that `mirror --budget` chooses from and
+    `mirror --sweep` draws."""
     return solvers.Limits(work=work, time_limit=time_limit, workers=workers,
-                          prune_work=max(work, PRUNE_WORK_PER_OP * problem.n))
+                          prune_work=max(work, PRUNE_WORK_PER_OP * problem.n), prune_below=target)
+
+
+def problem_target(problem: solvers.Problem, options: MirrorOptions, unmirrored_peak: int) -> int | None:
+    """The budget of `options` in the problem's bytes (None: auto, or no budget given). The problem counts the
+    small Constant nodes as alive throughout, the graph frees them: the graph's budget is raised by that
+    difference."""
+    wanted = parse_budget(options.budget or "auto").resolve(options.fraction_of or unmirrored_peak)
+    return None if wanted is None else wanted + max(0, problem.baseline_peak - unmirrored_peak)
 
 
 @dataclass(frozen=True)
@@ -381,13 +390,13 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
         r = report(None, None, None)
         raise BudgetError(f"--budget {budget.text}: {format_bytes(wanted)} is below the least peak any schedule can reach, "
                           f"{format_bytes(least)} ({_floor_parts(bp)})", r)
-    limits = solver_limits(problem, options.work, options.time_limit, options.workers)
+    # the problem's budget (raised by the Constant nodes it counts as alive throughout), then lowered by any excess
+    # the graph's own peak shows
+    target = problem_target(problem, options, unmirrored_peak)
+    limits = solver_limits(problem, options.work, options.time_limit, options.workers, target)
     max_extra = options.max_extra_passes * bp.forward_cost * (1 + 1e-9)  # with rounding room
     front = solvers.front(problem, limits).within(max_extra)
     found = front.least_peak
-    # the problem counts the small Constant nodes as alive throughout, the graph frees them: the problem's
-    # budget is raised by that difference, then lowered by any excess the graph's own peak shows
-    target = None if wanted is None else wanted + max(0, problem.baseline_peak - unmirrored_peak)
     solution = plan = None
     peak = least_written = None
     for _ in range(4):

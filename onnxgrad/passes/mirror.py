@@ -15,7 +15,7 @@ from ..contract import BUDGET_KEY, MIRROR_KEY
 from ..errors import UsageError
 from ..memory import plan as plans
 from ..memory import solvers, sweep
-from ..memory.budget import BudgetProblem, MirrorOptions, budget_policy, recompute_costs
+from ..memory.budget import BudgetProblem, MirrorOptions, budget_policy, problem_target, recompute_costs
 from ..memory.cost import CostModel
 from ..memory.mxnet import MirrorFunction, mxnet_plan
 from ..memory.simulate import simulate, sizes
@@ -50,7 +50,7 @@ class Mirror(Pass):
         if o.mirror == "budget" or options.sweep:
             bp = BudgetProblem(graph, nbytes, recompute_costs(graph, options, o.dims), options.save)
         if options.sweep:
-            swept = sweep_rows(build, bp, nbytes, options)
+            swept = sweep_rows(build, bp, nbytes, options, before.peak)
         timings = {}
         if o.mirror == "mxnet":
             plan = mxnet_plan(graph, nbytes, MirrorFunction(graph, options.save, options.recompute))
@@ -75,8 +75,10 @@ class Mirror(Pass):
         build.record(MirrorResult(plan, budget, timings, swept))
 
 
-def sweep_rows(build: Build, bp: BudgetProblem, nbytes: dict[int, int], options: MirrorOptions) -> dict:
-    """The Pareto sweep of `mirror --sweep`, on the graph before any plan is applied."""
+def sweep_rows(build: Build, bp: BudgetProblem, nbytes: dict[int, int], options: MirrorOptions,
+               unmirrored_peak: int) -> dict:
+    """The Pareto sweep of `mirror --sweep`, on the graph before any plan is applied: the front `--budget`
+    chooses from."""
     import click
     graph = build.graph
     mxnet_order = mxnet_plan(graph, nbytes, MirrorFunction(graph, set(options.save))).order
@@ -84,7 +86,8 @@ def sweep_rows(build: Build, bp: BudgetProblem, nbytes: dict[int, int], options:
     def progress(items):
         with click.progressbar(items, label="sweep", file=sys.stderr) as bar:
             yield from bar
-    rows = sweep.sweep(bp, nbytes, mxnet_order, progress, options.work)
+    target = problem_target(bp.problem, options, unmirrored_peak) if build.options.mirror == "budget" else None
+    rows = sweep.sweep(bp, nbytes, mxnet_order, progress, options.work, target)
     return {"rows": rows, "table": sweep.table(rows)}
 
 

@@ -36,6 +36,7 @@ class Limits:
     time_limit: float = 60.0
     workers: int = 2
     prune_work: int = 0  # schedule steps the fast solver may spend pruning its front (`prune`); 0: none
+    prune_below: int | None = None  # the budget the pruning serves: the schedules under it, closest first
 
 
 def baseline(problem: Problem) -> Solution:
@@ -44,7 +45,7 @@ def baseline(problem: Problem) -> Solution:
 
 def front(problem: Problem, limits: Limits = Limits()) -> Front:
     """The fast solver's Pareto front (keep it to answer several budgets)."""
-    return fast_front(problem, limits.work, prune_work=limits.prune_work)
+    return fast_front(problem, limits.work, prune_work=limits.prune_work, prune_below=limits.prune_below)
 
 
 def dp_front(problem: Problem) -> Front:

@@ -1,14 +1,15 @@
 """The fast solver: a Pareto front of plans from the block DP, segment schemes and a local search.
 
-The front does not depend on the budget, and the search is bounded by a work count rather than a clock, so the
-same problem gives the same front on every call and every machine, and the cost of the cheapest plan that fits
-never rises when the budget grows. The block DP (`dp.py`) gives the multi-level schemes (revolve on chains);
+The search does not depend on the budget, and it is bounded by a work count rather than a clock, so the same
+problem gives the same front on every call and every machine, and along one front the cost of the cheapest plan
+that fits never rises when the budget grows. (Which schedules get pruned may depend on a budget: see below.) The block DP (`dp.py`) gives the multi-level schemes (revolve on chains);
 segment schemes at the narrow points (Chen et al.'s sqrt(n) and two-level ones) and MXNet-like partial holds
 come next; a local search (greedy repair to a budget, greedy descent, pairs of changes, seeded perturbations)
 then improves the front at a grid of budgets while work is left. On request (`prune_work`), `prune` then takes out
 of each schedule on the front the recomputations that a copy made before can serve, held longer, within the
 schedule's own peak: a value held, recomputed, then held again, which no staged plan says. `mirror --budget` asks
-for it (`budget.PRUNE_WORK_PER_OP`).
+for it (`budget.PRUNE_WORK_PER_OP`), for the schedules under its budget, the closest first (`prune_below`): the
+work goes where the answer is, not to the long schedules at the least peak.
 """
 from __future__ import annotations
 
@@ -243,10 +244,12 @@ LOCAL_SEARCH_OPS = 400  # problems with at most this many movable ops also get t
 DEFAULT_WORK = 400_000  # schedule steps the fast solver may build and simulate after the DP's plans
 
 
-def fast_front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 12, prune_work: int = 0) -> Front:
+def fast_front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 12, prune_work: int = 0,
+               prune_below: int | None = None) -> Front:
     """The front of every plan the fast solver evaluates within `work` schedule steps (the DP's plans and the
     segment schemes are always evaluated; the local search uses what is left); with `prune_work`, its schedules
-    then pruned (`prune`) within that many steps more."""
+    then pruned (`prune`) within that many steps more: those under `prune_below` (a budget), the closest to it
+    first, or, without one, all of them from the least peak up."""
     small = sum(problem.movable) <= LOCAL_SEARCH_OPS
     pool = Pool(problem, 10**12, keep_profiles=small)
     pool.source = "store-all"
@@ -278,13 +281,17 @@ def fast_front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 12
         pass
     points = pool.candidates()
     if small and prune_work > 0:
-        points = pareto(points + _pruned(problem, points, prune_work))
+        if prune_below is None:
+            order = points
+        else:
+            order = sorted((c for c in points if c.peak <= prune_below), key=lambda c: (-c.peak, c.cost))
+        points = pareto(points + _pruned(problem, order, prune_work))
     return Front(problem, points, "fast", pool.evaluations)
 
 
 def _pruned(problem: Problem, points: list[Candidate], work: int) -> list[Candidate]:
-    """The front's schedules with the recomputations they can do without taken out (`prune`), each within its
-    own peak, from the least peak up (where the most is recomputed) while `work` lasts."""
+    """The schedules of `points` with the recomputations they can do without taken out (`prune`), each within its
+    own peak, in the order given while `work` lasts."""
     out = []
     for c in points:
         if work <= 0:
