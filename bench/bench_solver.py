@@ -7,6 +7,8 @@ exact (Checkmate MILP) optimum on small problems.
     .venv/bin/python bench/bench_solver.py --bound 150 [--milp-time 20]  # the lower bound against HiGHS's optima
     .venv/bin/python bench/bench_solver.py --front [--front-sizes 100,500,10000] [--front-seeds 1,2] [--against DIR]
                                                         # CPU seconds of `solvers.front` and a digest of its front
+    .venv/bin/python bench/bench_solver.py --rises --front-seeds 1,2,3,4   # does the cost rise with the budget,
+                                                                           # pruning under each budget first?
 
 `--front`: for uniform chains and random training DAGs (`--front-seeds`, default 1) of n forward ops, the CPU
 seconds of `solvers.front` (best of 3, `time.process_time`), its number of points and a digest of their (peak,
@@ -306,6 +308,27 @@ def front_table(sizes: list[int], against: str | None, seeds: list[int]) -> None
                 print("| " + " | ".join(cells) + " |", flush=True)
 
 
+def rises_table(seeds: list[int], works: list[int]) -> None:
+    """`mirror --budget` prunes the schedules under its budget first (`Limits.prune_below`), so each budget gets
+    a front of its own: at every integer budget from the least peak to the plain peak of random 30-op DAGs, the
+    cheapest plan's extra cost, and where it rises as the budget grows by one."""
+    print("| problem | pruning steps | budgets | rises (budget: cost before, after) |")
+    print("|---|---|---|---|")
+    for seed in seeds:
+        problem = random_training_dag(30, seed)
+        low = solvers.front(problem, solvers.Limits()).least_peak
+        for work in works:
+            rises, before = [], None
+            for budget in range(low, problem.baseline_peak + 1):
+                limits = solvers.Limits(prune_work=work, prune_below=budget)
+                cost = solvers.front(problem, limits).best_under(budget).extra_cost
+                if before is not None and cost > before + 1e-9:
+                    rises.append(f"{budget}: {before:g}, {cost:g}")
+                before = cost
+            print(f"| dag 30 seed {seed} | {work} | {low}-{problem.baseline_peak} | {'; '.join(rises) or 'none'} |",
+                  flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100,1000,10000")
@@ -321,6 +344,10 @@ def main() -> None:
     parser.add_argument("--prune", type=int, default=0, metavar="STEPS",
                         help="this tree's fast solver prunes its fronts within STEPS schedule steps (not the peer's)")
     parser.add_argument("--front-seeds", default="1", help="with --front: the random DAGs' seeds (comma-separated)")
+    parser.add_argument("--rises", action="store_true",
+                        help="only where the pruned plan's cost rises with the budget (random 30-op DAGs, seeds "
+                             "--front-seeds, pruning work --rise-work)")
+    parser.add_argument("--rise-work", default="5000,400000")
     parser.add_argument("--front-one", help=argparse.SUPPRESS)  # kind:n:seed, as JSON (the peer's process)
     parser.add_argument("--code", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -332,6 +359,9 @@ def main() -> None:
         return
     if args.bound:
         bound_table(args.bound, args.milp_time)
+        return
+    if args.rises:
+        rises_table([int(s) for s in args.front_seeds.split(",")], [int(w) for w in args.rise_work.split(",")])
         return
     if args.front:
         front_table([int(s) for s in args.front_sizes.split(",")], args.against,
