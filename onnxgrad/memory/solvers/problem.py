@@ -130,6 +130,16 @@ class Problem:
         return [tuple(i for i in r if movable[i]) for r in self.reads]
 
     @cached_property
+    def staged_reads(self) -> list[tuple[int, ...]]:
+        """The movable ops each op reads directly: what a staged schedule must find, or recompute, before the op
+        runs. An owner read only through a view is not among them: that read takes the copy the view's run read
+        (`through`), which the view's own copy stands for; recomputing the owner would make a copy no read takes."""
+        if self.through is None:
+            return self.movable_reads
+        movable = self.movable
+        return [tuple(sorted({i for i, v in pairs if v < 0 and movable[i]})) for pairs in self.through]
+
+    @cached_property
     def users(self) -> list[list[int]]:
         users: list[list[int]] = [[] for _ in range(self.n)]
         for k, ins in enumerate(self.reads):
@@ -794,7 +804,7 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
     if demands is not None:
         return _staged(problem, plan, demands)
     n = problem.n
-    movable_reads, movable_ops = problem.movable_reads, problem.movable_ops
+    movable_reads, movable_ops = problem.staged_reads, problem.movable_ops
     # good[i]: the last stage at which op i's latest copy serves a reader. Its first run serves up to its horizon;
     # a copy recomputed at stage t serves to the end if t is at or after the op's reuse stage, else stage t alone.
     # Only movable ops are ever missing: an op that runs once is where it was left from its stage on. good[i] is
@@ -833,9 +843,10 @@ def build_schedule(problem: Problem, plan: tuple[int, ...] | list[int],
 
 
 def _staged(problem: Problem, plan: tuple[int, ...] | list[int], demands: list[list[int]]) -> list[int]:
-    """`build_schedule`, recording for each op the stages that read it: every op's inputs are searched."""
+    """`build_schedule`, recording for each movable op the stages that read it directly: every op's inputs are
+    searched."""
     n = problem.n
-    reads, movable = problem.reads, problem.movable
+    reads, movable = problem.staged_reads, problem.movable
     horizon = [plan[i] // (n + 1) if movable[i] else n for i in range(n)]
     reuse_from = [plan[i] % (n + 1) for i in range(n)]
     computed_at = [-1] * n  # stage of the latest run of each op
