@@ -54,9 +54,11 @@ def segment_plan(problem: Problem, outer: int | None, inner: int | None, held_ta
 
 
 def _structured(problem: Problem, pool: Pool) -> None:
-    """Evaluate segmented schemes over a geometric range of segment lengths: one level (Chen's), then two
-    (outer checkpoints held, inner ones reused, the rest dropped), inner segments short enough that their
-    repeated recomputation stays within a few forward passes."""
+    """Evaluate segmented schemes over a geometric range of segment lengths: first nothing held and short
+    segments reused (the least peaks, which `prune` can make cheap), then one level (Chen's), then two (outer
+    checkpoints held, inner ones reused, the rest dropped), inner segments short enough that their repeated
+    recomputation stays within a few forward passes. On a graph of long schedules the work can end in here, so
+    the order decides which schemes are seen."""
     pool.evaluate(plan_of_classes(problem, [REUSE] * problem.n))
     count = len(problem.cuts[0])
     if count == 0:
@@ -66,6 +68,10 @@ def _structured(problem: Problem, pool: Pool) -> None:
     # from Chen's sqrt(n) outwards, so that a tight work limit still covers the middle of the front
     middle = math.sqrt(count)
     by_distance = sorted(lengths, key=lambda k: abs(math.log(k / middle)))
+    # nothing held, short segments reused: the least peaks
+    for inner in by_distance:
+        if inner <= 32:
+            pool.evaluate(segment_plan(problem, None, inner))
     for held_tail in (0.0, 0.5):
         for outer in by_distance:
             pool.evaluate(segment_plan(problem, outer, None, held_tail))
@@ -73,9 +79,6 @@ def _structured(problem: Problem, pool: Pool) -> None:
         for inner in sorted({max(2, round(outer ** f)) for f in (0.34, 0.5, 0.67)}):
             if inner < outer and inner <= 32:
                 pool.evaluate(segment_plan(problem, outer, inner))
-    for inner in lengths:
-        if inner <= 32:
-            pool.evaluate(segment_plan(problem, None, inner))
     for held_tail in (0.25, 0.75, 0.125, 0.375, 0.625, 0.875):
         for outer in by_distance:
             pool.evaluate(segment_plan(problem, outer, None, held_tail))
