@@ -57,8 +57,8 @@ def _structured(problem: Problem, pool: Pool) -> None:
     """Evaluate segmented schemes over a geometric range of segment lengths: first nothing held and short
     segments reused (the least peaks, which `prune` can make cheap), then one level (Chen's), then two (outer
     checkpoints held, inner ones reused, the rest dropped), inner segments short enough that their repeated
-    recomputation stays within a few forward passes. On a graph of long schedules the work can end in here, so
-    the order decides which schemes are seen."""
+    recomputation stays within a few forward passes. They are evaluated whatever the work limit: on a graph
+    of long schedules the limit used to end in here, before the schemes of least peak."""
     pool.evaluate(plan_of_classes(problem, [REUSE] * problem.n))
     count = len(problem.cuts[0])
     if count == 0:
@@ -249,8 +249,8 @@ DEFAULT_WORK = 400_000  # schedule steps the fast solver may build and simulate 
 
 def fast_front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 12, prune_work: int = 0,
                prune_below: int | None = None) -> Front:
-    """The front of every plan the fast solver evaluates within `work` schedule steps (the DP's plans and the
-    segment schemes are always evaluated; the local search uses what is left); with `prune_work`, its schedules
+    """The front of every plan the fast solver evaluates: the DP's plans and the segment schemes, always, then
+    the local search within `work` schedule steps; with `prune_work`, its schedules
     then pruned (`prune`) within that many steps more: those under `prune_below` (a budget), the closest to it
     first, or, without one, all of them from the least peak up."""
     small = sum(problem.movable) <= LOCAL_SEARCH_OPS
@@ -260,10 +260,10 @@ def fast_front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 12
     pool.source = "dp"
     for plan in dp.plans(problem):
         pool.evaluate(plan)
+    pool.source = "segments"
+    _structured(problem, pool)
     pool.work_limit = pool.work + work
     try:
-        pool.source = "segments"
-        _structured(problem, pool)
         if small:
             pool.source = "local search"
             low = max(floor(problem), 1)
