@@ -40,10 +40,10 @@ SOLVERS = ("fast", "dp", "exact", "milp")
 MAX_EXTRA_PASSES = 4.0
 COSTS = ("model", "prices", "profile")
 # Schedule steps per problem op, and at least the search's own work, that the fast solver spends pruning its
-# front (`solvers.prune`). On ResNet-50 (training sizes, as `mirror` builds it from the forward model) it lowers
-# the least peak within 4 extra forward passes from 332 to 319 MiB (1.4 passes) and adds about 1 s; the transformer
-# exports have too many movable ops for the local search and are not pruned; on the 30-op random DAG's least peak
-# (60 ops with the backward) it cuts the cost from 515 to 190; a front of 800 ops stays under 1 s (BENCHMARKS.md).
+# front (`solvers.prune`). On ResNet-50 (training sizes) it takes a 33-pass plan at the floor to 1.5 passes, so the
+# least budget within 4 extra forward passes is 315 MiB (floor 314.1), and adds 1-2 s; the transformer exports have
+# too many movable ops for the local search and are not pruned; on the 30-op random DAG's least peak (60 ops with
+# the backward) it cuts the cost from 515 to 190; a front of 800 ops stays under 1 s (BENCHMARKS.md).
 PRUNE_WORK_PER_OP = 2000
 
 

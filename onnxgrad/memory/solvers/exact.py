@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 
 from ...errors import UsageError
-from .problem import Problem, Solution, extra_cost_bound, make_solution, without_unread_copies
+from .problem import Problem, Solution, _trace, extra_cost_bound, make_solution, without_unread_copies
 
 COPIES = 3  # runs allowed per movable op (one run plus two recomputations); the hint may raise it per op
 
@@ -196,33 +196,22 @@ def _with_gap(problem: Problem, solution: Solution, bound: float, status: str) -
 
 
 def _hint(m, problem: Problem, hint: Solution, runs, start, end, present, chosen, last) -> None:
-    """The hint's schedule as values of every variable: positions, ends as the simulator frees (a read through
-    a view holds the copy the view's run read; a recomputed copy no read takes is held to the end), the copy
-    each read takes (the latest)."""
+    """The hint's schedule as values of every variable: positions, ends as the liveness kernel frees (`_trace`:
+    a read through a view holds the copy the view's run read; a recomputed copy no read takes, and a kept
+    output, are held to the end), the copy each read takes (the latest)."""
     schedule = hint.schedule
-    sim_end = list(range(len(schedule)))
+    length = len(schedule)
+    sim_end = [last if e >= length else e for e in _trace(problem, schedule).end.tolist()]
     latest = [-1] * problem.n
     copy_at: list[int] = []
     copies = [0] * problem.n
     read_copy: dict[tuple[int, int, int], int] = {}
-    read_at: list[dict[int, int]] = []  # per position, the position of the copy each of its reads took
     for p, v in enumerate(schedule):
-        taken = {u: latest[u] for u in problem.reads[v]}
-        pairs = problem.through[v] if problem.through is not None else [(u, -1) for u in problem.reads[v]]
-        for u, w in pairs:
-            q = latest[u] if w < 0 else read_at[latest[w]].get(u, latest[u])
-            sim_end[q] = max(sim_end[q], p)
         for u in problem.reads[v]:
-            read_copy[v, copies[v], u] = copy_at[taken[u]]
-        read_at.append(taken)
+            read_copy[v, copies[v], u] = copy_at[latest[u]]
         latest[v] = p
         copy_at.append(copies[v])
         copies[v] += 1
-    for p in range(len(schedule)):
-        if sim_end[p] == p and copy_at[p] > 0:
-            sim_end[p] = last  # a recomputed copy no read takes
-    for k in problem.keep:
-        sim_end[latest[k]] = last
     for p, v in enumerate(schedule):
         k = copy_at[p]
         m.AddHint(start[v][k], p)

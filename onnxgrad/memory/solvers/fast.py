@@ -2,10 +2,11 @@
 
 The search does not depend on the budget, and it is bounded by a work count rather than a clock, so the same
 problem gives the same front on every call and every machine, and along one front the cost of the cheapest plan
-that fits never rises when the budget grows. (Which schedules get pruned may depend on a budget: see below.) The block DP (`dp.py`) gives the multi-level schemes (revolve on chains);
-segment schemes at the narrow points (Chen et al.'s sqrt(n) and two-level ones) and MXNet-like partial holds
-come next; a local search (greedy repair to a budget, greedy descent, pairs of changes, seeded perturbations)
-then improves the front at a grid of budgets while work is left. On request (`prune_work`), `prune` then takes out
+that fits never rises when the budget grows (which schedules get pruned may depend on a budget: see below). The
+block DP (`dp.py`) gives the multi-level schemes (revolve on chains); segment schemes at the narrow points (Chen
+et al.'s sqrt(n) and two-level ones) and MXNet-like partial holds come next; a local search (greedy repair to a
+budget, greedy descent, pairs of changes, seeded perturbations) then improves the front at a grid of budgets
+while work is left. On request (`prune_work`), `prune` then takes out
 of each schedule on the front the recomputations that a copy made before can serve, held longer, within the
 schedule's own peak: a value held, recomputed, then held again, which no staged plan says. `mirror --budget` asks
 for it (`budget.PRUNE_WORK_PER_OP`), for the schedules under its budget, the closest first (`prune_below`): the
@@ -57,15 +58,15 @@ def _structured(problem: Problem, pool: Pool) -> None:
     """Evaluate segmented schemes over a geometric range of segment lengths: first nothing held and short
     segments reused (the least peaks, which `prune` can make cheap), then one level (Chen's), then two (outer
     checkpoints held, inner ones reused, the rest dropped), inner segments short enough that their repeated
-    recomputation stays within a few forward passes. They are evaluated whatever the work limit: on a graph
-    of long schedules the limit used to end in here, before the schemes of least peak."""
+    recomputation stays within a few forward passes. They are evaluated whatever the work limit: on a graph of
+    long schedules a limit would end in here, before the schemes of least peak."""
     pool.evaluate(plan_of_classes(problem, [REUSE] * problem.n))
     count = len(problem.cuts[0])
     if count == 0:
         return
     steps = 32
     lengths = sorted({max(1, round(count ** (e / steps))) for e in range(steps + 1)})
-    # from Chen's sqrt(n) outwards, so that a tight work limit still covers the middle of the front
+    # from Chen's sqrt(n) outwards
     middle = math.sqrt(count)
     by_distance = sorted(lengths, key=lambda k: abs(math.log(k / middle)))
     # nothing held, short segments reused: the least peaks
@@ -244,15 +245,15 @@ def _pair_move(pool: Pool, state: tuple[int, ...], cost: float, budget: int
 
 
 LOCAL_SEARCH_OPS = 400  # problems with at most this many movable ops also get the local search
-DEFAULT_WORK = 400_000  # schedule steps the fast solver may build and simulate after the DP's plans
+DEFAULT_WORK = 400_000  # schedule steps the local search may build and simulate (after the DP and segment schemes)
 
 
 def fast_front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 12, prune_work: int = 0,
                prune_below: int | None = None) -> Front:
     """The front of every plan the fast solver evaluates: the DP's plans and the segment schemes, always, then
-    the local search within `work` schedule steps; with `prune_work`, its schedules
-    then pruned (`prune`) within that many steps more: those under `prune_below` (a budget), the closest to it
-    first, or, without one, all of them from the least peak up."""
+    the local search within `work` schedule steps; with `prune_work`, its schedules then pruned (`prune`) within
+    that many steps more: those under `prune_below` (a budget), the closest to it first, or, without one, all of
+    them from the least peak up."""
     small = sum(problem.movable) <= LOCAL_SEARCH_OPS
     pool = Pool(problem, 10**12, keep_profiles=small)
     pool.source = "store-all"
