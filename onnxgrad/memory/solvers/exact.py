@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 
 from ...errors import UsageError
-from .problem import Problem, Solution, _trace, extra_cost_bound, make_solution, without_unread_copies
+from .problem import Problem, Solution, extra_cost_bound, freed_after, make_solution, without_unread_copies
 
 COPIES = 3  # runs allowed per movable op (one run plus two recomputations); the hint may raise it per op
 
@@ -196,12 +196,12 @@ def _with_gap(problem: Problem, solution: Solution, bound: float, status: str) -
 
 
 def _hint(m, problem: Problem, hint: Solution, runs, start, end, present, chosen, last) -> None:
-    """The hint's schedule as values of every variable: positions, ends as the liveness kernel frees (`_trace`:
+    """The hint's schedule as values of every variable: positions, ends as the liveness kernel frees (`freed_after`:
     a read through a view holds the copy the view's run read; a recomputed copy no read takes, and a kept
     output, are held to the end), the copy each read takes (the latest)."""
     schedule = hint.schedule
     length = len(schedule)
-    sim_end = [last if e >= length else e for e in _trace(problem, schedule).end.tolist()]
+    sim_end = [last if e >= length else e for e in freed_after(problem, schedule)]
     latest = [-1] * problem.n
     copy_at: list[int] = []
     copies = [0] * problem.n

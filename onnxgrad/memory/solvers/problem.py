@@ -449,6 +449,12 @@ class _PruneState:
         return until
 
 
+def freed_after(problem: Problem, schedule: list[int]) -> list[int]:
+    """Per position, the position after which its output is freed, by `profile`'s rules (the schedule's length:
+    held to the end of the run)."""
+    return _trace(problem, schedule).end.tolist() if len(schedule) else []
+
+
 def unread_copies(problem: Problem, schedule: list[int]) -> list[int]:
     """The positions of recomputed copies that no read takes (`profile`'s rules, views included): taking one
     out changes no read, so the schedule then holds less and costs less. Taking one out may leave the copies it
