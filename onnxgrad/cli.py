@@ -328,6 +328,14 @@ def build_grad(mirror, **flags):
                    "forward pass from the inputs many times over; onnxruntime ran such graphs well above their "
                    "simulated peak (1.6-1.7x at 14 and 71 passes, BENCHMARKS.md) and 5-23x as long per step. A "
                    "budget only such plans meet is refused, with the least peak within the limit [default: 4].")
+@click.option("--allocator", type=click.Choice(["exact", "arena"]),
+              help="With --budget: what the budget must hold for. exact: the live bytes, as onnxgrad's CPU sessions "
+                   "run a budgeted graph (onnxruntime's arena off, each tensor mapped while it lives); arena: also "
+                   "onnxruntime's BFC arena, which CUDA always uses (and the CPU provider by default, 2-2.5x "
+                   "faster than exact there): it keeps free chunks it cannot reuse for the next request, so a plan "
+                   "of live bytes under the budget can need 1.1-1.3x the budget in the arena. The plan then fits "
+                   "the arena as emulated (memory.arena, within 3% of onnxruntime's), at more recomputation "
+                   "[default: exact].")
 @click.option("--cost", "cost", type=click.Choice(["model", "prices", "profile"]),
               help="With --budget or --sweep: the price of a recomputation. model: FLOPs of the heavy ops from the "
                    "shapes plus 20 x the bytes each op moves; prices: microseconds per FLOP and per byte for each "
@@ -339,7 +347,7 @@ def build_grad(mirror, **flags):
                    "MXNet's plan, checkpoints every sqrt(n) layers, store-all, the chosen plan, the budget and the "
                    "floor marked; the table goes to stdout before the paths written (needs matplotlib for the "
                    "chart).")
-def mirror_cmd(policy, budget, solver_name, time_limit, max_extra_passes, cost, sweep, **flags):
+def mirror_cmd(policy, budget, solver_name, time_limit, max_extra_passes, allocator, cost, sweep, **flags):
     """Write MODEL's training graph with backward mirroring: forward values are recomputed in the backward
     pass, just before their use, instead of being kept from the forward pass. MODEL is a forward model (its
     gradient is built first, with any build-grad flag) or a training or step graph that build-grad wrote
@@ -363,6 +371,10 @@ def mirror_cmd(policy, budget, solver_name, time_limit, max_extra_passes, cost, 
                "cost": cost or "model", "sweep": sweep}
     if max_extra_passes is not None:
         options["max_extra_passes"] = max_extra_passes
+    if allocator is not None:
+        if policy != "budget":
+            raise UsageError("--allocator: says what a --budget holds for; give --budget (or --policy budget)")
+        options["allocator"] = allocator
     _build_and_write("mirror", _build_options(flags, policy, options), **_outputs(flags))
 
 

@@ -212,6 +212,40 @@ def _steps_of(graph: Graph, nbytes: dict[int, int]):
     return steps
 
 
+def allocations(graph: Graph, nbytes: dict[int, int]) -> list[tuple[object, int]]:
+    """The schedule's allocations and frees in the order `simulate` counts them, as (key, bytes) for an allocation
+    and (key, 0) for the free of that key's buffer: each node's outputs (not the views that share a buffer), its
+    working memory (freed as it ends), then the buffers whose last reader it was. Initializers, graph inputs and
+    empty tensors are never allocated here; graph outputs and outputs nobody reads are never freed."""
+    static_values = {id(v) for v in graph.inputs} | {id(graph.values[n]) for n in graph.initializers
+                                                     if n in graph.values}
+    kept = {id(v) for v in graph.outputs} | static_values
+    return _events(_steps_of(graph, nbytes), nbytes, kept, static_values)
+
+
+def _events(steps, size, kept, static) -> list[tuple[object, int]]:
+    last: dict = {}
+    buffers = _Buffers()
+    for _, _, aliased, _ in steps:
+        buffers.root.update(aliased)
+    for k, (reads, _, _, _) in enumerate(steps):
+        for r in reads:
+            last[buffers.find(r)] = k
+    kept_roots = {buffers.find(key) for key in kept}
+    frees: dict[int, list] = {}
+    for k, (_, writes, aliased, _) in enumerate(steps):
+        for w in writes:
+            if w not in aliased and w not in kept_roots and w in last:
+                frees.setdefault(max(last[w], k), []).append(w)
+    out: list[tuple[object, int]] = []
+    for k, (_, writes, aliased, scratch) in enumerate(steps):
+        out += [(w, size[w]) for w in writes if w not in aliased and w not in static and size[w]]
+        if scratch:
+            out += [(("scratch", k), scratch), (("scratch", k), 0)]
+        out += [(w, 0) for w in frees.get(k, ()) if size[w]]
+    return out
+
+
 def simulate(graph: Graph, dims: dict[str, int] | None = None, nbytes: dict[int, int] | None = None) -> Timeline:
     """Run the schedule `graph.nodes` on paper."""
     nbytes = nbytes if nbytes is not None else sizes(graph, dims)
@@ -391,6 +425,19 @@ def plot(timelines: dict[str, Timeline], path) -> None:
 def peak_of_plan(graph: Graph, order: list, nbytes: dict[int, int]) -> int:
     """The peak `simulate` would give for the graph after `plan.apply(graph, Plan(order=order))`, without
     changing the graph: copies and the reads `apply` rewires are followed as versions of the original values."""
+    steps, size, kept, static, _ = _plan_steps(graph, order, nbytes)
+    during, _, _ = _profile(steps, size, kept, _Buffers())
+    return static + max(during, default=0)
+
+
+def allocations_of_plan(graph: Graph, order: list, nbytes: dict[int, int]) -> tuple[int, list[tuple[object, int]]]:
+    """(static bytes, `allocations`) of the graph after `plan.apply(graph, Plan(order=order))`, without changing
+    the graph."""
+    steps, size, kept, static, statics = _plan_steps(graph, order, nbytes)
+    return static, _events(steps, size, kept, statics)
+
+
+def _plan_steps(graph: Graph, order: list, nbytes: dict[int, int]):
     by_name = {n.name: n for n in graph.nodes}
     statics = [id(v) for v in graph.inputs] + [id(graph.values[t]) for t in graph.initializers if t in graph.values]
     static = sum(nbytes[i] for i in set(statics))
@@ -414,9 +461,7 @@ def peak_of_plan(graph: Graph, order: list, nbytes: dict[int, int]) -> int:
         if writes and view_of_input(node, outputs):
             aliased[writes[0]] = reads[0]
         steps.append((reads, writes, aliased, scratch_bytes(node, nbytes)))
-    size = _VersionSizes(nbytes)
-    during, _, _ = _profile(steps, size, kept, _Buffers())
-    return static + max(during, default=0)
+    return steps, _VersionSizes(nbytes), kept, static, {(i, 0) for i in statics}
 
 
 class _VersionSizes:

@@ -9,16 +9,18 @@ node (and the solver's seconds, which stay out of the model).
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 from ..contract import BUDGET_KEY, MIRROR_KEY
 from ..errors import UsageError
 from ..memory import plan as plans
+from ..memory.arena import NEXT_POWER_OF_TWO, STRATEGIES, least_arena
 from ..memory import solvers, sweep
 from ..memory.budget import BudgetProblem, MirrorOptions, budget_policy, problem_target, recompute_costs
 from ..memory.cost import CostModel
 from ..memory.mxnet import MirrorFunction, mxnet_plan
-from ..memory.simulate import simulate, sizes
+from ..memory.simulate import format_bytes, simulate, sizes
 from ..pipeline import Build, Pass
 from ..shapes import type_everything
 from .results import MirrorResult, SweepResult
@@ -63,10 +65,22 @@ class Mirror(Pass):
                 # runners give it to the allocator as its limit (runtime.provider_options)
                 graph.metadata[BUDGET_KEY] = str(result.report.budget_bytes)
         plans.apply(graph, plan, build.new_names())
-        after = simulate(graph, nbytes=sizes(graph, o.dims))
+        after_bytes = sizes(graph, o.dims)
+        after = simulate(graph, nbytes=after_bytes)
+        # what the process holds when onnxruntime's arena allocates (the CPU arena, CUDA's): more than the live bytes
+        arena = {s: after.static + least_arena(graph, s, after_bytes) for s in STRATEGIES}
         plan.predicted = {"peak_bytes": after.peak, "unmirrored_peak_bytes": before.peak,
                           "saved_bytes": sum(b for _, b in after.saved),
-                          "unmirrored_saved_bytes": sum(b for _, b in before.saved)}
+                          "unmirrored_saved_bytes": sum(b for _, b in before.saved),
+                          "arena_peak_bytes": arena}
+        cuda = arena[NEXT_POWER_OF_TWO]  # as onnxgrad's CUDA sessions run a budgeted graph (runtime.provider_options)
+        if budget is not None and budget.budget_bytes is not None and budget.allocator == "exact" \
+                and cuda > budget.budget_bytes:
+            logging.getLogger("onnxgrad").warning(
+                "mirror: onnxruntime's arena (CUDA's, or the CPU provider's when on) needs %s for this plan, over the "
+                "budget of %s: it holds free chunks too small or too scattered for the next request. The budget "
+                "holds as onnxgrad's CPU sessions run it (arena off); for CUDA give --allocator arena",
+                format_bytes(cuda), format_bytes(budget.budget_bytes))
         graph.metadata[MIRROR_KEY] = json.dumps(plan.record(), separators=(",", ":"))
         build.plan = plan
         if swept is not None:  # the chosen plan joins the rows
