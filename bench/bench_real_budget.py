@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_real_budget.py [--models resnet50,gpt2,bert,vit] [--budgets 0.9x,0.7x,0.5x,0.4x,least]
         [--allocators exact,arena,glibc] [--train] [--batch-scale 1.0] [--threads 2] [--exporter torchscript|dynamo]
-        [--out DIR]
+        [--plan-for exact|arena] [--out DIR]
 
 Each model is built from a transformers config with random weights (nothing is downloaded) and exported by
 torch.onnx's TorchScript exporter at opset 17 (`--exporter dynamo`: its dynamo exporter at opset 18, optimized),
@@ -23,6 +23,9 @@ own order and CSE setting; `memory.measure`) under each allocator:
 Printed per graph: the budget, the simulated peak, per allocator the measured peak (static bytes plus what one
 run adds) over the budget and the simulated dynamic peak over the measured one, the step time relative to the
 plain graph's in the same allocator, and the solver's seconds (the whole mirror command).
+`--plan-for arena` passes `--allocator arena` to every `mirror`: the plans are made to fit onnxruntime's arena
+(`memory.arena`), and the step graphs of `--train` keep the CPU arena on as onnxgrad's sessions then do; the
+steps are timed against the plain graph's in the arena.
 `--train` also runs each budgeted graph as `onnxgrad train` does (a step graph with SGD from
 `onnxgrad mirror ... --optimizer sgd`, two steps on random data): the process's resident set is read just
 before its first step and at its end (VmHWM), and the rise is compared with the budget less the static bytes.
@@ -141,13 +144,16 @@ def mib(n):
     return f"{n / 2**20:.0f}"
 
 
+PLAN_FOR: list[str] = []  # --plan-for arena: ["--allocator", "arena"], passed to every mirror
+
+
 def least_budget(train: Path, out: Path, report: Path) -> tuple[str | None, float]:
     """The smallest budget the solver meets: the least peak it reports reaching (asked at the floor, read from
     the report in bytes), raised in 1% steps until a plan fits."""
     start = time.perf_counter()
 
     def mirror(budget: str) -> tuple[int, dict]:
-        p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", budget, "--report", str(report)))
+        p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", budget, "--report", str(report), *PLAN_FOR))
         return p.returncode, json.loads(report.read_text()).get("mirror") or {}
 
     _, r = mirror("0.01x")
@@ -176,7 +182,11 @@ def main() -> None:
     ap.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
                     help="torch.onnx's TorchScript exporter (opset 17) or its dynamo exporter (opset 18)")
     ap.add_argument("--out", default=None, help="keep the models here (default: a temporary folder)")
+    ap.add_argument("--plan-for", choices=("exact", "arena"), default="exact",
+                    help="the allocator the plans are made for (mirror --allocator)")
     args = ap.parse_args()
+    if args.plan_for == "arena":
+        PLAN_FOR[:] = ["--allocator", "arena"]
 
     from onnxgrad.api import load_graph
     from onnxgrad.memory import measure, simulate
@@ -212,7 +222,8 @@ def main() -> None:
                 graphs.append((f"least ({mib(int(value))} MiB)", out, int(value), seconds))
                 continue
             start = time.perf_counter()
-            p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", budget, "--report", str(report)))
+            p = run(onnxgrad("mirror", str(train), "-o", str(out), "--budget", budget, "--report", str(report),
+                             *PLAN_FOR))
             seconds = time.perf_counter() - start
             if p.returncode:
                 print(f"| {name} | {budget} | exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]} |")
@@ -243,8 +254,8 @@ def train_rise(fwd: Path, work: Path, name: str, batch: int, budget: int, thread
     from onnxgrad.api import load_graph
     from onnxgrad.memory import simulate
     from onnxgrad.protos import random_feeds
-    step = work / f"{fwd.stem}_{budget}_step.onnx"
-    p = run(onnxgrad("mirror", str(fwd), "-o", str(step), "--budget", str(budget), "--optimizer", "sgd"))
+    step = work / f"{fwd.stem}_{budget}{'_arena' if PLAN_FOR else ''}_step.onnx"
+    p = run(onnxgrad("mirror", str(fwd), "-o", str(step), "--budget", str(budget), "--optimizer", "sgd", *PLAN_FOR))
     if p.returncode:
         return f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}"
     model = onnx.load(str(step), load_external_data=False)

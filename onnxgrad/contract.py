@@ -20,6 +20,7 @@ STATE_KEY = "onnxgrad.state"                  # state input -> the output that r
 PHASES_KEY = "onnxgrad.phases"                # the phase of every node, run-length encoded (see `protos`)
 MIRROR_KEY = "onnxgrad.mirror"                # the recomputation plan a mirror pass applied, as JSON
 BUDGET_KEY = "onnxgrad.budget_bytes"          # mirror --budget: the peak bytes the plan was made to fit
+ALLOCATOR_KEY = "onnxgrad.allocator"          # mirror --allocator: exact (live bytes) or arena (onnxruntime's arena)
 EXECUTION_ORDER_KEY = "onnxgrad.execution_order"
 DISABLED_OPTIMIZERS_KEY = "onnxgrad.disabled_optimizers"
 MEMORY_REUSE_KEY = "onnxgrad.memory_reuse"
@@ -41,7 +42,7 @@ RUNTIME_HINTS = {
 }
 # Metadata that only means something to a runner of the step graph; an exported forward model drops it.
 TRAINING_METADATA = (STATE_KEY, OPTIMIZER_KEY, LOSS_KEY, LOSS_FN_KEY, EXECUTION_ORDER_KEY, DISABLED_OPTIMIZERS_KEY,
-                     MEMORY_REUSE_KEY, PHASES_KEY, MIRROR_KEY, BUDGET_KEY, PRECISION_KEY)
+                     MEMORY_REUSE_KEY, PHASES_KEY, MIRROR_KEY, BUDGET_KEY, ALLOCATOR_KEY, PRECISION_KEY)
 
 # Node phases, in the order a step runs them
 FORWARD, RECOMPUTE, BACKWARD, OPTIMIZER = "forward", "recompute", "backward", "optimizer"

@@ -6,7 +6,8 @@ import json
 import onnx
 import onnxruntime as ort
 
-from .contract import BUDGET_KEY, DISABLED_OPTIMIZERS_KEY, EXECUTION_ORDER_KEY, MEMORY_REUSE_KEY, PRECISION_KEY
+from .contract import (ALLOCATOR_KEY, BUDGET_KEY, DISABLED_OPTIMIZERS_KEY, EXECUTION_ORDER_KEY, MEMORY_REUSE_KEY,
+                       PRECISION_KEY)
 from .errors import UsageError
 
 # glibc's malloc serves blocks above its mmap threshold with their own mapping and unmaps them on free, so the
@@ -66,15 +67,17 @@ def session_options(model: onnx.ModelProto, threads: int | None = None) -> tuple
     if hints.get(MEMORY_REUSE_KEY) == "off":
         so.enable_mem_reuse = False
     if keeps_budget(model):
-        # A graph that `mirror --budget` made to fit: its memory is what `memory.simulate` predicts when every
-        # tensor is allocated when made and returned when freed. The CPU arena keeps freed blocks for later
-        # requests (a ResNet-50 step held 1.14x the live bytes in it) and memory patterns allocate a run's
-        # tensors as one block, so both are off, and malloc gives memory back. This costs time: every tensor's
-        # pages are mapped anew (the same step took 3-4x as long on the 2-core machine of BENCHMARKS.md), so
-        # graphs without a budget keep onnxruntime's arena.
-        so.enable_cpu_mem_arena = False
+        # A graph that `mirror --budget` made to fit. Memory patterns allocate a run's tensors as one block, so
+        # they are off. Made for the live bytes (`--allocator exact`), its memory is what `memory.simulate`
+        # predicts when every tensor is allocated when made and returned when freed: the CPU arena keeps freed
+        # blocks for later requests (a ResNet-50 step held 1.14x the live bytes in it), so it is off too, and
+        # malloc gives memory back. That costs time: every tensor's pages are mapped anew (the same step took
+        # 3x as long on the 2-core machine of BENCHMARKS.md). A plan made for the arena (`--allocator arena`)
+        # keeps it: the arena it needs fits the budget (`memory.arena`).
         so.enable_mem_pattern = False
-        follow_live_bytes()
+        if hints.get(ALLOCATOR_KEY) != "arena":
+            so.enable_cpu_mem_arena = False
+            follow_live_bytes()
     disabled = [s for s in hints.get(DISABLED_OPTIMIZERS_KEY, "").split(",") if s]
     return so, {"disabled_optimizers": disabled} if disabled else {}
 

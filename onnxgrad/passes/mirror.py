@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 
-from ..contract import BUDGET_KEY, MIRROR_KEY
+from ..contract import ALLOCATOR_KEY, BUDGET_KEY, MIRROR_KEY
 from ..errors import UsageError
 from ..memory import plan as plans
 from ..memory.arena import NEXT_POWER_OF_TWO, STRATEGIES, least_arena
@@ -64,6 +64,8 @@ class Mirror(Pass):
             if result.report.budget_bytes is not None:
                 # runners give it to the allocator as its limit (runtime.provider_options)
                 graph.metadata[BUDGET_KEY] = str(result.report.budget_bytes)
+                # what the budget holds for: the CPU runners keep onnxruntime's arena for a plan made for it
+                graph.metadata[ALLOCATOR_KEY] = options.allocator
         plans.apply(graph, plan, build.new_names())
         after_bytes = sizes(graph, o.dims)
         after = simulate(graph, nbytes=after_bytes)
