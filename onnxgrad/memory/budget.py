@@ -419,7 +419,8 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     found = front.least_peak
     solution = plan = None
     peak = least_written = None
-    for _ in range(4):
+    # the arena's need falls more slowly than the live bytes as the plan recomputes more: more rounds for it
+    for _ in range(8 if options.allocator == "arena" else 4):
         solution = _choose(bp, front, options, target, limits)
         if solution is not None and solution.extra_cost > max_extra:
             solution = None  # an exact solver's optimum past the cap
@@ -466,10 +467,14 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
                                    "mxnet (the cheapest plan that fits)", None, "heuristic")
         plan, peak = Plan("budget", mxnet.order, mxnet.reasons), mxnet_peak
     if solution is None:
+        if options.allocator == "arena" and front.least_peak is not None:
+            # the least plan's peak in the arena, which the message and the report give
+            least_written = held(bp.plan(front.best_under(front.least_peak), "budget").order)
         if least_written is not None:
             found = least_written
         r = report(None, None, found)
-        raise BudgetError(_no_schedule(budget, wanted, least, options.solver, found, options.max_extra_passes), r)
+        raise BudgetError(_no_schedule(budget, wanted, least, options.solver, found, options.max_extra_passes,
+                                       options.allocator), r)
     # the bound at the problem's budget (auto: at the peak chosen, which the problem measures unless MXNet's plan won)
     problem_budget = target if target is not None else (None if better else solution.peak)
     return _result(plan, report(solution, peak, found, problem_budget))
@@ -522,13 +527,14 @@ def _floor_parts(bp: BudgetProblem) -> str:
 
 
 def _no_schedule(budget: Budget, target: int | None, floor: int, which: str, least: int | None,
-                 max_extra_passes: float) -> str:
+                 max_extra_passes: float, allocator: str = "exact") -> str:
     if target is None:
         return "--budget auto: no schedule found"
     limited = max_extra_passes < math.inf
     within = (f" within {max_extra_passes:g} extra forward pass" + ("" if max_extra_passes == 1 else "es")
               if limited else "")
-    reached = (f"the least peak it reaches{within} is {format_bytes(least)}, " if least is not None
+    arena = " in onnxruntime's arena (--allocator arena)" if allocator == "arena" else ""
+    reached = (f"the least peak it reaches{within} is {format_bytes(least)}{arena}, " if least is not None
                else f"none{within}, " if limited else "")
     return (f"--budget {budget.text}: the {which} solver finds no schedule under {format_bytes(target)} ({reached}and no "
             f"schedule can go below {format_bytes(floor)}); give a larger budget"
