@@ -21,7 +21,6 @@ default: regions doubling in size).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,55 +29,21 @@ sys.path.insert(0, str(ROOT))
 
 from onnxgrad.api import load_graph  # noqa: E402
 from onnxgrad.memory.arena import NEXT_POWER_OF_TWO, SAME_AS_REQUESTED, least_arena  # noqa: E402
+from onnxgrad.memory.measure import runs_in_arena  # noqa: E402
 from onnxgrad.memory.simulate import simulate  # noqa: E402
 from onnxgrad.contract import BUDGET_KEY  # noqa: E402
 
-STRATEGIES = {"pow2": (0, NEXT_POWER_OF_TWO), "same": (1, SAME_AS_REQUESTED)}
+STRATEGIES = {"pow2": NEXT_POWER_OF_TWO, "same": SAME_AS_REQUESTED}
 MIB = 2 ** 20
 
-CHILD = r"""
-import sys
-import onnx, onnxruntime as ort
-from onnxgrad import runtime
-from onnxgrad.protos import random_feeds
-
-path, limit, strategy, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-model = onnx.load(path)
-runtime.follow_live_bytes = lambda: False  # the arena allocates here, not glibc's mmap
-so, extra = runtime.session_options(model, threads)
-so.enable_cpu_mem_arena = True
-so.enable_mem_pattern = False
-so.add_session_config_entry("session.use_env_allocators", "1")
-info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-ort.create_and_register_allocator(info, ort.OrtArenaCfg(limit, strategy, -1, -1))
-sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], **extra)
-feeds = random_feeds(model, {}, 0, {t.name for t in model.graph.initializer})
-del model
-try:
-    sess.run(None, feeds)
-except Exception as e:
-    if "Available memory" in str(e):
-        sys.exit(3)
-    raise
-"""
-
-
-def runs_within(path: str, limit: int, strategy: int, threads: int) -> bool:
-    p = subprocess.run([sys.executable, "-c", CHILD, path, str(limit), str(strategy), str(threads)],
-                       capture_output=True, text=True, cwd=ROOT)
-    if p.returncode not in (0, 3):
-        raise RuntimeError(f"{path}: {p.stderr.strip().splitlines()[-1:]}")
-    return p.returncode == 0
-
-
-def measured_arena(path: str, start: int, strategy: int, threads: int, tolerance: float) -> int:
+def measured_arena(path: str, start: int, strategy: str, threads: int, tolerance: float) -> int:
     """The least max_mem (bytes) with which one run of `path` succeeds, within `tolerance` of itself."""
     low, high = start // 2, start
-    while not runs_within(path, high, strategy, threads):
+    while not runs_in_arena(path, high, strategy, threads):
         low, high = high, high * 2
     while high - low > tolerance * high:
         middle = (low + high) // 2
-        if runs_within(path, middle, strategy, threads):
+        if runs_in_arena(path, middle, strategy, threads):
             high = middle
         else:
             low = middle
@@ -103,11 +68,11 @@ def main() -> None:
         dynamic = timeline.peak - timeline.static
         budget = graph.metadata.get(BUDGET_KEY)
         room = int(budget) - timeline.static if budget and budget.isdigit() else None
-        emulated = {name: least_arena(graph, STRATEGIES[name][1]) for name in strategies}
+        emulated = {name: least_arena(graph, STRATEGIES[name]) for name in strategies}
         del graph
         cells = [Path(path).name, f"{room / MIB:.1f}" if room else "-", f"{dynamic / MIB:.1f}"]
         for name in strategies:
-            need = emulated[name] if args.no_run else measured_arena(path, dynamic, STRATEGIES[name][0], args.threads,
+            need = emulated[name] if args.no_run else measured_arena(path, dynamic, STRATEGIES[name], args.threads,
                                                                       args.tolerance)
             cells.append(f"{need / MIB:.1f} ({emulated[name] / MIB:.1f}), {need / dynamic:.2f}, "
                          + (f"{need / room:.2f}" if room else "-"))

@@ -1,7 +1,5 @@
 """onnxruntime's BFC arena on paper (`memory.arena`): its rules on small sequences, and its answer against the
 arena of the CPU provider (the same code CUDA's arena runs) on a real training graph."""
-import subprocess
-import sys
 from pathlib import Path
 
 import onnx
@@ -10,6 +8,7 @@ import pytest
 from onnxgrad.api import build_gradient, load_graph
 
 from onnxgrad.memory.arena import NEXT_POWER_OF_TWO, SAME_AS_REQUESTED, Arena, OutOfArena, least_arena, runs_within
+from onnxgrad.memory.measure import runs_in_arena
 from onnxgrad.memory.simulate import allocations, simulate, sizes
 
 KIB = 1024
@@ -56,34 +55,6 @@ def test_the_events_are_the_simulated_live_bytes(tmp_path):
     assert peak == timeline.peak - timeline.static
 
 
-CHILD = r"""
-import sys
-import onnx, onnxruntime as ort
-from onnxgrad import runtime
-from onnxgrad.protos import random_feeds
-path, limit, strategy = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-model = onnx.load(path)
-so, extra = runtime.session_options(model, 1)
-so.enable_cpu_mem_arena = True
-so.enable_mem_pattern = False
-so.add_session_config_entry("session.use_env_allocators", "1")
-info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-ort.create_and_register_allocator(info, ort.OrtArenaCfg(limit, strategy, -1, -1))
-sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], **extra)
-try:
-    sess.run(None, random_feeds(model, {}, 0, {t.name for t in model.graph.initializer}))
-except Exception as e:
-    sys.exit(3 if "Available memory" in str(e) else 1)
-"""
-
-
-def _runs_in_onnxruntime(path, limit: int, strategy: int) -> bool:
-    p = subprocess.run([sys.executable, "-c", CHILD, str(path), str(int(limit)), str(strategy)], capture_output=True,
-                       text=True)
-    assert p.returncode in (0, 3), p.stderr[-2000:]
-    return p.returncode == 0
-
-
 def test_the_emulated_arena_is_the_one_onnxruntime_needs(tmp_path):
     """The least limit under which the CPU provider's arena runs a training step, against `least_arena`:
     kNextPowerOfTwo within 2% (0.9996 measured), kSameAsRequested on the safe side (0.948: the emulation errs high
@@ -93,12 +64,12 @@ def test_the_emulated_arena_is_the_one_onnxruntime_needs(tmp_path):
     timeline = simulate(graph)
     live = timeline.peak - timeline.static
     power = least_arena(graph, NEXT_POWER_OF_TWO)
-    assert _runs_in_onnxruntime(path, power * 1.02, 0)
-    assert not _runs_in_onnxruntime(path, power * 0.98, 0)
+    assert runs_in_arena(path, power * 1.02, NEXT_POWER_OF_TWO)
+    assert not runs_in_arena(path, power * 0.98, NEXT_POWER_OF_TWO)
     same = least_arena(graph, SAME_AS_REQUESTED)
-    assert _runs_in_onnxruntime(path, same, 1)
-    assert not _runs_in_onnxruntime(path, same * 0.9, 1)
-    assert not _runs_in_onnxruntime(path, live, 1) and live < min(power, same)
+    assert runs_in_arena(path, same, SAME_AS_REQUESTED)
+    assert not runs_in_arena(path, same * 0.9, SAME_AS_REQUESTED)
+    assert not runs_in_arena(path, live, SAME_AS_REQUESTED) and live < min(power, same)
 
 
 def _cnn_training_graph(tmp_path):
@@ -132,8 +103,8 @@ def test_a_plan_for_the_arena_runs_in_onnxruntime_under_its_budget(tmp_path):
     assert least_arena(load_graph(result.model)) * (1 + ARENA_MARGIN) <= room
     path = tmp_path / "arena.onnx"
     onnx.save(result.model, str(path))
-    assert _runs_in_onnxruntime(path, room, 0)
-    assert not _runs_in_onnxruntime(exact_path, room, 0)
+    assert runs_in_arena(path, room, NEXT_POWER_OF_TWO)
+    assert not runs_in_arena(exact_path, room, NEXT_POWER_OF_TWO)
 
 
 def test_cuda_arena_of_a_budgeted_graph_doubles_within_the_budget():

@@ -86,3 +86,40 @@ def measure(model_path: str | os.PathLike, *, level: str = "BASIC", threads: int
     if proc.returncode != 0:
         raise RuntimeError(f"measuring {Path(model_path).name} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+ARENA_CHILD = r"""
+import sys
+import onnx, onnxruntime as ort
+from onnxgrad import runtime
+from onnxgrad.protos import random_feeds
+
+path, limit, strategy, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+model = onnx.load(path)
+runtime.follow_live_bytes = lambda: False  # the arena allocates here, not glibc's mmap
+so, extra = runtime.session_options(model, threads)
+so.enable_cpu_mem_arena = True
+so.enable_mem_pattern = False
+so.add_session_config_entry("session.use_env_allocators", "1")
+info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+ort.create_and_register_allocator(info, ort.OrtArenaCfg(limit, strategy, -1, -1))
+sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], **extra)
+feeds = random_feeds(model, {}, 0, {t.name for t in model.graph.initializer})
+del model
+try:
+    sess.run(None, feeds)
+except Exception as e:
+    sys.exit(3 if "Available memory" in str(e) else 1)
+"""
+ARENA_STRATEGIES = {"kNextPowerOfTwo": 0, "kSameAsRequested": 1}  # OrtArenaCfg's arena_extend_strategy
+
+
+def runs_in_arena(model_path: str | os.PathLike, limit: int, strategy: str = "kNextPowerOfTwo",
+                  threads: int = 1) -> bool:
+    """Whether one run of the graph succeeds in onnxruntime's CPU arena limited to `limit` bytes (its BFC arena,
+    the one CUDA has too), in a fresh process; False when the arena refuses a request."""
+    proc = subprocess.run([sys.executable, "-c", ARENA_CHILD, str(model_path), str(int(limit)),
+                           str(ARENA_STRATEGIES[strategy]), str(threads)], capture_output=True, text=True)
+    if proc.returncode not in (0, 3):
+        raise RuntimeError(f"running {Path(model_path).name} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return proc.returncode == 0

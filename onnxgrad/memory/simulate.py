@@ -174,22 +174,8 @@ def _profile(steps, size, kept, buffers: _Buffers):
     """Live bytes while and after each step. `steps`: (reads, writes, aliased, scratch) per node, where writes
     are keys of new values and `aliased` maps a write to the read whose buffer it shares; `size[key]` gives
     bytes. Returns (during, live_after, last step reading each buffer)."""
-    last: dict = {}
-    for k, (reads, writes, aliased, _) in enumerate(steps):
-        for w, r in aliased.items():
-            buffers.root[w] = r
-    for k, (reads, _, _, _) in enumerate(steps):
-        for r in reads:
-            last[buffers.find(r)] = k
-    kept_roots = {buffers.find(key) for key in kept}
-    frees: dict[int, int] = {}
-    for k, (_, writes, aliased, _) in enumerate(steps):
-        for w in writes:
-            if w in aliased:
-                continue
-            if w not in kept_roots and w in last:  # an output nobody reads stays to the end, as a kept one
-                at = max(last[w], k)
-                frees[at] = frees.get(at, 0) + size[w]
+    last, freed = _frees(steps, kept, buffers)
+    frees = {k: sum(size[w] for w in keys) for k, keys in freed.items()}
     live = 0
     during, live_after = [], []
     for k, (_, writes, aliased, scratch) in enumerate(steps):
@@ -223,9 +209,10 @@ def allocations(graph: Graph, nbytes: dict[int, int]) -> list[tuple[object, int]
     return _events(_steps_of(graph, nbytes), nbytes, kept, static_values)
 
 
-def _events(steps, size, kept, static) -> list[tuple[object, int]]:
+def _frees(steps, kept, buffers: _Buffers) -> tuple[dict, dict[int, list]]:
+    """(last step reading each buffer, the buffers freed after each step): a buffer goes after its last reader,
+    unless it is kept; an output nobody reads stays to the end, as a kept one."""
     last: dict = {}
-    buffers = _Buffers()
     for _, _, aliased, _ in steps:
         buffers.root.update(aliased)
     for k, (reads, _, _, _) in enumerate(steps):
@@ -237,6 +224,11 @@ def _events(steps, size, kept, static) -> list[tuple[object, int]]:
         for w in writes:
             if w not in aliased and w not in kept_roots and w in last:
                 frees.setdefault(max(last[w], k), []).append(w)
+    return last, frees
+
+
+def _events(steps, size, kept, static) -> list[tuple[object, int]]:
+    _, frees = _frees(steps, kept, _Buffers())
     out: list[tuple[object, int]] = []
     for k, (_, writes, aliased, scratch) in enumerate(steps):
         out += [(w, size[w]) for w in writes if w not in aliased and w not in static and size[w]]

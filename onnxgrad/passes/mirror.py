@@ -79,9 +79,9 @@ class Mirror(Pass):
         if budget is not None and budget.budget_bytes is not None and budget.allocator == "exact" \
                 and cuda > budget.budget_bytes:
             logging.getLogger("onnxgrad").warning(
-                "mirror: onnxruntime's arena (CUDA's, or the CPU provider's when on) needs %s for this plan, over the "
-                "budget of %s: it holds free chunks too small or too scattered for the next request. The budget "
-                "holds as onnxgrad's CPU sessions run it (arena off); for CUDA give --allocator arena",
+                "mirror: in onnxruntime's arena (CUDA's, or the CPU provider's when on) this plan needs %s, over the "
+                "budget of %s; onnxgrad's CPU sessions run it with the arena off, where it fits. For CUDA, or a "
+                "faster CPU step, give --allocator arena",
                 format_bytes(cuda), format_bytes(budget.budget_bytes))
         graph.metadata[MIRROR_KEY] = json.dumps(plan.record(), separators=(",", ":"))
         build.plan = plan
