@@ -91,7 +91,7 @@ def provider_options(model: onnx.ModelProto, names: list[str]) -> list:
     """The providers with the options a graph written here needs. A graph that records a memory budget
     (`mirror --budget`) gets it as CUDA's arena limit, so a run above it fails instead of spilling over, and the
     arena grows by doubling regions, each cut to what the limit leaves: onnxruntime's BFC arena then needs the
-    least memory beyond the live bytes, and `memory.arena` emulates it within 3% (kSameAsRequested, a region per
+    least memory beyond the live bytes, and `memory.arena` emulates it best (kSameAsRequested, a region per
     request, needed up to 1.56x the live bytes on ResNet-50 and was emulated 12% low on GPT-2: BENCHMARKS.md).
     Without a budget the arena grows by what each request asks, since doubling without a limit can reserve up
     to twice the peak."""

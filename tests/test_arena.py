@@ -108,7 +108,7 @@ def test_a_plan_for_the_arena_runs_in_onnxruntime_under_its_budget(tmp_path):
 
 
 def test_cuda_arena_of_a_budgeted_graph_doubles_within_the_budget():
-    """The arena `memory.arena` emulates within 3% (kNextPowerOfTwo) is the one a budgeted graph gets on CUDA,
+    """The arena `memory.arena` emulates best (kNextPowerOfTwo) is the one a budgeted graph gets on CUDA,
     limited to the budget; a graph without a budget keeps kSameAsRequested (no limit to cut a doubling region)."""
     from onnxgrad.contract import BUDGET_KEY, MEMORY_REUSE_KEY
     from onnxgrad.runtime import provider_options
