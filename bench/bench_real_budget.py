@@ -15,8 +15,9 @@ in its own process:
 (`--batch-scale` multiplies the batch, for a quicker look.) Then, as a user would:
   `onnxgrad build-grad model.onnx -o train.onnx` and, per budget, `onnxgrad mirror train.onnx --budget B -o ...`
 ("least": the least peak the solver reports reaching when asked for the floor, raised by 1% steps until it fits).
-Each graph, plain and mirrored, runs in a fresh onnxruntime process (CPU provider, ORT_ENABLE_ALL, the graph's
-own order and CSE setting; `memory.measure`) under each allocator:
+Each graph, plain and mirrored, runs in a fresh onnxruntime process (CPU provider, the graph's own order, CSE
+and optimization level as onnxgrad's sessions set them: ORT_ENABLE_ALL, or BASIC for a plan made for the arena;
+`memory.measure`) under each allocator:
   exact  the CPU arena off and glibc's mmap threshold fixed: what onnxgrad's sessions use for a budgeted graph
   arena  onnxruntime's CPU arena on (a session's default) and glibc's default malloc
   glibc  the arena off and glibc's default malloc
@@ -194,7 +195,8 @@ def main() -> None:
     work = Path(args.out or tempfile.mkdtemp(prefix="bench_real_budget_"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"onnxgrad mirror --budget on fresh exports; {os.cpu_count()} cores, {args.threads} threads, "
-          f"ORT_ENABLE_ALL; peaks in MiB (static bytes included); measured/budget and simulated/measured per allocator")
+          f"each graph at the optimization level onnxgrad's sessions give it; peaks in MiB (static bytes included); "
+          f"measured/budget and simulated/measured per allocator")
     header = "| model | budget | budget MiB | simulated | " + " | ".join(
         f"{a}: measured, /budget, sim/meas, step x" for a in allocators) + " | solver s |" + (
         " train: rise MiB, /(budget-static) |" if args.train else "")
@@ -234,7 +236,7 @@ def main() -> None:
             t = simulate.simulate(load_graph(str(path)))
             cells = [name, label, mib(budget_bytes) if budget_bytes else "-", mib(t.peak)]
             for a in allocators:
-                m = measure.measure(path, level="ALL", threads=args.threads, runs=3, allocator=a)
+                m = measure.measure(path, level="GRAPH", threads=args.threads, runs=3, allocator=a)
                 peak = t.static + m["peak_bytes"]
                 step = float(np.median(m["seconds"][1:]))
                 plain_time.setdefault(a, step)
