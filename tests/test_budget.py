@@ -415,7 +415,8 @@ def test_the_budget_path_prunes_its_front(monkeypatch):
 
 def test_the_sweep_draws_the_front_the_budget_chooses_from(monkeypatch):
     """`mirror --sweep` draws the same pruned front that `mirror --budget` chooses from, so a row of the sweep
-    is never costlier than the plan the budget path writes at that peak."""
+    is never costlier than the plan the budget path writes at that peak; it is built once for both (it took a few
+    seconds on ResNet-50 to build it twice)."""
     from onnxgrad.memory import solvers
     seen = []
     front = solvers.front
@@ -423,7 +424,8 @@ def test_the_sweep_draws_the_front_the_budget_chooses_from(monkeypatch):
                         lambda problem, limits: seen.append(limits) or front(problem, limits))
     onnxgrad.build(mlp_tail(layers=4, width=64, batch=256), loss_fn="mse", mirror="budget",
                    mirror_options={"budget": "0.6x", "sweep": "unused.png"})
-    assert len(seen) == 2 and seen[0] == seen[1] and seen[0].prune_work > 0
+    [limits] = seen
+    assert limits.prune_work > 0 and limits.prune_below is not None
 
 
 def test_a_plan_over_the_budget_as_written_retries_down_to_the_least_peak(monkeypatch):

@@ -62,6 +62,12 @@ def solver_limits(problem: solvers.Problem, work: int = solvers.DEFAULT_WORK, ti
                           prune_work=max(work, PRUNE_WORK_PER_OP * problem.n), prune_below=target)
 
 
+def problem_front(problem: solvers.Problem, options: MirrorOptions, unmirrored_peak: int) -> solvers.Front:
+    """The fast solver's front that `mirror --budget` chooses from and `mirror --sweep` draws."""
+    target = problem_target(problem, options, unmirrored_peak)
+    return solvers.front(problem, solver_limits(problem, options.work, options.time_limit, options.workers, target))
+
+
 def problem_target(problem: solvers.Problem, options: MirrorOptions, unmirrored_peak: int) -> int | None:
     """The budget of `options` in the problem's bytes (None: auto, or no budget given). The problem counts the
     small Constant nodes as alive throughout, the graph frees them: the graph's budget is raised by that
@@ -355,9 +361,11 @@ def recompute_costs(graph: Graph, options: MirrorOptions, dims: dict[str, int]):
 
 
 def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, options: MirrorOptions,
-                  unmirrored_peak: int, flops: CostModel) -> BudgetResult:
+                  unmirrored_peak: int, flops: CostModel, front: solvers.Front | None = None) -> BudgetResult:
     """The cheapest plan whose graph peak fits `options.budget` (or, for auto, the least peak one extra forward
-    pass buys). The graph is read, never changed. `flops` prices the report's FLOPs whatever priced the plan."""
+    pass buys). The graph is read, never changed. `flops` prices the report's FLOPs whatever priced the plan.
+    `front`: the fast solver's front for `problem_front(bp.problem, options, unmirrored_peak)`, when the caller has
+    it already (`mirror --sweep` draws it)."""
     budget = parse_budget(options.budget or "auto")
     if options.recompute:
         raise UsageError("--recompute: with --budget the solver chooses what to recompute; use --save to keep a "
@@ -415,7 +423,7 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     target = problem_target(problem, options, unmirrored_peak)
     limits = solver_limits(problem, options.work, options.time_limit, options.workers, target)
     max_extra = options.max_extra_passes * bp.forward_cost * (1 + 1e-9)  # with rounding room
-    front = solvers.front(problem, limits).within(max_extra)
+    front = (front or solvers.front(problem, limits)).within(max_extra)
     found = front.least_peak
     solution = plan = None
     peak = least_written = None

@@ -27,13 +27,16 @@ def chen_solution(problem: solvers.Problem) -> solvers.Solution:
 
 
 def sweep(bp: BudgetProblem, nbytes: dict[int, int], mxnet_order: list | None, progress=None,
-          work: int = solvers.DEFAULT_WORK, target: int | None = None) -> list[dict]:
+          work: int = solvers.DEFAULT_WORK, target: int | None = None, front: solvers.Front | None = None
+          ) -> list[dict]:
     """Rows of (what, peak bytes, extra forward passes, recomputations); the last row is the floor, the peak no
     schedule goes below (its extra passes and recomputations null). `target`: the problem's budget, whose
-    schedules the pruning serves first, as in `mirror --budget`. The progress bar is shown only while onnxgrad
-    logs progress (not under `onnxgrad -q`)."""
+    schedules the pruning serves first, as in `mirror --budget`; `front`: that front, when the caller has it
+    already. The progress bar is shown only while onnxgrad logs progress (not under `onnxgrad -q`)."""
     graph, problem = bp.graph, bp.problem
-    front = solvers.front(problem, solver_limits(problem, work, target=target)).solutions()
+    if front is None:
+        front = solvers.front(problem, solver_limits(problem, work, target=target))
+    front = front.solutions()
     points = [("front", s) for s in front] + [("chen", chen_solution(problem))]
     rows = []
     items = progress(points) if progress and logging.getLogger("onnxgrad").isEnabledFor(logging.INFO) else points

@@ -17,7 +17,8 @@ from ..errors import UsageError
 from ..memory import plan as plans
 from ..memory.arena import NEXT_POWER_OF_TWO, STRATEGIES, least_arena
 from ..memory import solvers, sweep
-from ..memory.budget import BudgetProblem, MirrorOptions, budget_policy, problem_target, recompute_costs
+from ..memory.budget import (BudgetProblem, MirrorOptions, budget_policy, problem_front, problem_target,
+                             recompute_costs)
 from ..memory.cost import CostModel
 from ..memory.mxnet import MirrorFunction, mxnet_plan
 from ..memory.simulate import format_bytes, simulate, sizes
@@ -51,14 +52,17 @@ class Mirror(Pass):
         bp = swept = budget = None
         if o.mirror == "budget" or options.sweep:
             bp = BudgetProblem(graph, nbytes, recompute_costs(graph, options, o.dims), options.save)
+        # the one front that --budget chooses from and --sweep draws, built once for both
+        front = (problem_front(bp.problem, options, before.peak)
+                 if options.sweep and o.mirror == "budget" else None)
         if options.sweep:
-            swept = sweep_rows(build, bp, nbytes, options, before.peak)
+            swept = sweep_rows(build, bp, nbytes, options, before.peak, front)
         timings = {}
         if o.mirror == "mxnet":
             plan = mxnet_plan(graph, nbytes, MirrorFunction(graph, options.save, options.recompute))
         else:
             # a BudgetError carries its report; the API's caller writes it
-            result = budget_policy(graph, nbytes, bp, options, before.peak, CostModel(symbols=dict(o.dims)))
+            result = budget_policy(graph, nbytes, bp, options, before.peak, CostModel(symbols=dict(o.dims)), front)
             plan, budget = result.plan, result.report
             timings = plan.timings
             if result.report.budget_bytes is not None:
@@ -92,7 +96,7 @@ class Mirror(Pass):
 
 
 def sweep_rows(build: Build, bp: BudgetProblem, nbytes: dict[int, int], options: MirrorOptions,
-               unmirrored_peak: int) -> dict:
+               unmirrored_peak: int, front: solvers.Front | None = None) -> dict:
     """The Pareto sweep of `mirror --sweep`, on the graph before any plan is applied: the front `--budget`
     chooses from."""
     import click
@@ -103,7 +107,7 @@ def sweep_rows(build: Build, bp: BudgetProblem, nbytes: dict[int, int], options:
         with click.progressbar(items, label="sweep", file=sys.stderr) as bar:
             yield from bar
     target = problem_target(bp.problem, options, unmirrored_peak) if build.options.mirror == "budget" else None
-    rows = sweep.sweep(bp, nbytes, mxnet_order, progress, options.work, target)
+    rows = sweep.sweep(bp, nbytes, mxnet_order, progress, options.work, target, front)
     return {"rows": rows, "table": sweep.table(rows)}
 
 
