@@ -16,8 +16,7 @@ in its own process:
   `onnxgrad build-grad model.onnx -o train.onnx` and, per budget, `onnxgrad mirror train.onnx --budget B -o ...`
 ("least": the least peak the solver reports reaching when asked for the floor, raised by 1% steps until it fits).
 Each graph, plain and mirrored, runs in a fresh onnxruntime process (CPU provider, the graph's own order, CSE
-and optimization level as onnxgrad's sessions set them: ORT_ENABLE_ALL, or BASIC for a plan made for the arena;
-`memory.measure`) under each allocator:
+and optimization level as onnxgrad's sessions set them; `memory.measure`) under each allocator:
   exact  the CPU arena off and glibc's mmap threshold fixed: what onnxgrad's sessions use for a budgeted graph
   arena  onnxruntime's CPU arena on (a session's default) and glibc's default malloc
   glibc  the arena off and glibc's default malloc

@@ -78,11 +78,6 @@ def session_options(model: onnx.ModelProto, threads: int | None = None) -> tuple
         if hints.get(ALLOCATOR_KEY) != "arena":
             so.enable_cpu_mem_arena = False
             follow_live_bytes()
-        else:
-            # onnxruntime's extended fusions allocate other tensors than the graph's nodes write, and the arena,
-            # unlike the live bytes, depends on every one: on BERT-base's 0.9x plan they took the arena from
-            # 754 to 850 MiB (the budget left 824), at 2-4% of its step; ResNet-50 was the same either way
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     disabled = [s for s in hints.get(DISABLED_OPTIMIZERS_KEY, "").split(",") if s]
     return so, {"disabled_optimizers": disabled} if disabled else {}
 
