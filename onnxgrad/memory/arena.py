@@ -11,10 +11,10 @@ the peak of live bytes: free chunks too small for the next request, or in anothe
 region is added.
 
 `least_arena` is the least limit under which the schedule of `simulate.allocations` runs. Measured against the
-CPU provider's arena (bench/bench_arena.py: ResNet-50, GPT-2 small, ViT-B/16 and the shipped CNN), it is within
--5% to +3% of the least limit under which onnxruntime ran ResNet-50, GPT-2 and ViT-B/16 with kNextPowerOfTwo, and
-11.5% low on BERT-base, where onnxruntime's MatMul-Transpose fusion allocates otherwise (767 MiB with it off); with kSameAsRequested,
-whose many regions make it depend on every small request, from -12% (GPT-2) to +9%.
+CPU provider's arena (bench/bench_arena.py), with kNextPowerOfTwo it is within -5% to +3% of the least limit under
+which onnxruntime ran ResNet-50, GPT-2 small, ViT-B/16 and the shipped CNN, and 11.5% low on BERT-base, where
+onnxruntime's MatMul-Transpose fusion allocates otherwise (767 MiB with it off, against 843). With
+kSameAsRequested, whose many regions make it depend on every small request: from -12% (GPT-2) to +9%.
 """
 from __future__ import annotations
 
