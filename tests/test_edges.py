@@ -369,6 +369,7 @@ def test_resume_with_other_data_of_the_same_rows_is_refused(tmp_path, capfd, ste
     (["--solver", "milp"], "--solver: chooses how a --budget is met; give --budget (or --policy budget)"),
     (["--cost", "profile"], "--cost: prices recomputation for --budget or --sweep; give one of them"),
     (["--budget", "auto", "--time-limit", "5"], "--time-limit: bounds --solver exact or milp only"),
+    (["--allocator", "arena"], "--allocator: says what a --budget holds for; give --budget (or --policy budget)"),
     (["--budget", "1e99"], "--budget 1e99: more than 1 PiB, past any machine's memory; give the peak one run must "
                            "fit, a fraction (0.4x) or auto"),
     (["--dim", "N=4", "--dim", "N=8"], "--dim N: bound twice (N=4 and N=8); give each symbol once"),
