@@ -15,8 +15,8 @@ import sys
 from ..contract import ALLOCATOR_KEY, BUDGET_KEY, MIRROR_KEY
 from ..errors import UsageError
 from ..memory import plan as plans
-from ..memory.arena import NEXT_POWER_OF_TWO, STRATEGIES, least_arena
 from ..memory import solvers, sweep
+from ..memory.arena import NEXT_POWER_OF_TWO, STRATEGIES, least_arena
 from ..memory.budget import (BudgetProblem, MirrorOptions, budget_policy, problem_front, problem_target,
                              recompute_costs)
 from ..memory.cost import CostModel
