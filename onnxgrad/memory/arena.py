@@ -158,8 +158,6 @@ def least_arena(graph: Graph, strategy: str = NEXT_POWER_OF_TWO, nbytes: dict[in
     return least_limit(allocations(graph, nbytes if nbytes is not None else sizes(graph)), strategy)
 
 
-
-
 def least_limit(events: list[tuple[object, int]], strategy: str = NEXT_POWER_OF_TWO, precision: float = 0.002) -> int:
     """The least limit, within `precision` of itself, under which the arena serves `events`."""
     live_sizes: dict = {}

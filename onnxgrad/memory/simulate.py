@@ -203,10 +203,16 @@ def allocations(graph: Graph, nbytes: dict[int, int]) -> list[tuple[object, int]
     and (key, 0) for the free of that key's buffer: each node's outputs (not the views that share a buffer), its
     working memory (freed as it ends), then the buffers whose last reader it was. Initializers, graph inputs and
     empty tensors are never allocated here; graph outputs and outputs nobody reads are never freed."""
+    static_values, kept = _static_and_kept(graph)
+    return _events(_steps_of(graph, nbytes), nbytes, kept, static_values)
+
+
+def _static_and_kept(graph: Graph) -> tuple[set[int], set[int]]:
+    """(the values alive for the whole run: graph inputs and initializers, those and the graph outputs: the
+    values never freed)."""
     static_values = {id(v) for v in graph.inputs} | {id(graph.values[n]) for n in graph.initializers
                                                      if n in graph.values}
-    kept = {id(v) for v in graph.outputs} | static_values
-    return _events(_steps_of(graph, nbytes), nbytes, kept, static_values)
+    return static_values, {id(v) for v in graph.outputs} | static_values
 
 
 def _frees(steps, kept, buffers: _Buffers) -> tuple[dict, dict[int, list]]:
@@ -241,10 +247,8 @@ def _events(steps, size, kept, static) -> list[tuple[object, int]]:
 def simulate(graph: Graph, dims: dict[str, int] | None = None, nbytes: dict[int, int] | None = None) -> Timeline:
     """Run the schedule `graph.nodes` on paper."""
     nbytes = nbytes if nbytes is not None else sizes(graph, dims)
-    static_values = {id(v) for v in graph.inputs} | {id(graph.values[n]) for n in graph.initializers
-                                                     if n in graph.values}
+    static_values, kept = _static_and_kept(graph)
     static = sum(nbytes[i] for i in static_values)
-    kept = {id(v) for v in graph.outputs} | static_values
     buffers = _Buffers()
     steps = _steps_of(graph, nbytes)
     during, live_after, last = _profile(steps, nbytes, kept, buffers)
