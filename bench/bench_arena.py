@@ -1,12 +1,13 @@
 """How much memory onnxruntime's arena needs to run a graph, against the live bytes the simulator counts.
 
-    .venv/bin/python bench/bench_arena.py GRAPH [GRAPH ...] [--strategies same,pow2] [--threads 2] [--tolerance 0.01]
-        [--no-run]   # only the emulation (memory.arena), no onnxruntime
+    .venv/bin/python bench/bench_arena.py GRAPH [GRAPH ...] [--strategies same,pow2,split] [--threads 2]
+        [--tolerance 0.01] [--no-run]   # only the emulation (memory.arena), no onnxruntime
 
 On CUDA, onnxgrad's sessions give a graph that records a budget onnxruntime's BFC arena with
-`arena_extend_strategy=kSameAsRequested` and `gpu_mem_limit` = the budget (`runtime.providers`). The CPU provider
-has the same arena (the same code, configured by an `OrtArenaCfg`), so this measures on the CPU what that arena
-needs: for each graph and extend strategy, the least `max_mem` with which one training step runs, found by
+`arena_extend_strategy=kNextPowerOfTwo` and `gpu_mem_limit` = the budget (`runtime.provider_options`); on the CPU,
+a plan made for the arena gets an arena that splits every chunk (`runtime.split_every_chunk`). The CPU provider
+has the same arena as CUDA (the same code, configured by an `OrtArenaCfg`), so this measures on the CPU what an
+arena needs: for each graph and extend strategy, the least `max_mem` with which one training step runs, found by
 bisection, each try in a fresh process. The CPU arena holds no initializers, so the figure is the dynamic part,
 and the table sets it beside the simulated dynamic peak (onnxgrad's simulator: what the exact allocator setting
 measures, within 1-2% on these graphs) and, for a graph written by `mirror --budget`, the budget less the static
@@ -16,7 +17,8 @@ behaviour does not. Beside each measurement, `memory.arena.least_arena`'s emulat
 schedule.
 
 Strategies: same (kSameAsRequested: each new region as large as the request), pow2 (kNextPowerOfTwo, onnxruntime's
-default: regions doubling in size).
+default: regions doubling in size), both splitting chunks by onnxruntime's default rule; split (kNextPowerOfTwo,
+every chunk split to the request: the arena onnxgrad's CPU sessions give a plan made for it).
 """
 from __future__ import annotations
 
@@ -28,22 +30,27 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from onnxgrad.api import load_graph  # noqa: E402
-from onnxgrad.memory.arena import NEXT_POWER_OF_TWO, SAME_AS_REQUESTED, least_arena  # noqa: E402
+from onnxgrad.memory.arena import (MAX_DEAD_BYTES, NEXT_POWER_OF_TWO, SAME_AS_REQUESTED, SPLIT_ALWAYS,  # noqa: E402
+                                   least_arena)
 from onnxgrad.memory.measure import runs_in_arena  # noqa: E402
 from onnxgrad.memory.simulate import simulate  # noqa: E402
 from onnxgrad.contract import BUDGET_KEY  # noqa: E402
 
-STRATEGIES = {"pow2": NEXT_POWER_OF_TWO, "same": SAME_AS_REQUESTED}
+# name -> (extend strategy, max_dead_bytes_per_chunk); split: onnxgrad's CPU arena for a plan made for it
+STRATEGIES = {"pow2": (NEXT_POWER_OF_TWO, MAX_DEAD_BYTES), "same": (SAME_AS_REQUESTED, MAX_DEAD_BYTES),
+              "split": (NEXT_POWER_OF_TWO, SPLIT_ALWAYS)}
 MIB = 2 ** 20
 
-def measured_arena(path: str, start: int, strategy: str, threads: int, tolerance: float) -> int:
+def measured_arena(path: str, start: int, arena: tuple[str, int], threads: int, tolerance: float) -> int:
     """The least max_mem (bytes) with which one run of `path` succeeds, within `tolerance` of itself."""
+    strategy, dead = arena
+    dead = -1 if dead == MAX_DEAD_BYTES else dead
     low, high = start // 2, start
-    while not runs_in_arena(path, high, strategy, threads):
+    while not runs_in_arena(path, high, strategy, threads, dead):
         low, high = high, high * 2
     while high - low > tolerance * high:
         middle = (low + high) // 2
-        if runs_in_arena(path, middle, strategy, threads):
+        if runs_in_arena(path, middle, strategy, threads, dead):
             high = middle
         else:
             low = middle
@@ -68,7 +75,8 @@ def main() -> None:
         dynamic = timeline.peak - timeline.static
         budget = graph.metadata.get(BUDGET_KEY)
         room = int(budget) - timeline.static if budget and budget.isdigit() else None
-        emulated = {name: least_arena(graph, STRATEGIES[name]) for name in strategies}
+        emulated = {name: least_arena(graph, STRATEGIES[name][0], max_dead_bytes=STRATEGIES[name][1])
+                    for name in strategies}
         del graph
         cells = [Path(path).name, f"{room / MIB:.1f}" if room else "-", f"{dynamic / MIB:.1f}"]
         for name in strategies:

@@ -334,7 +334,8 @@ def build_grad(mirror, **flags):
                    "onnxruntime's BFC arena, which CUDA always uses (and the CPU provider by default, 2-2.5x "
                    "faster than exact there): it keeps free chunks it cannot reuse for the next request, so a plan "
                    "of live bytes under the budget can need 1.1-1.3x the budget in the arena. The plan then fits "
-                   "the arena as emulated (memory.arena, within 5% of onnxruntime's on three of four models), at more recomputation "
+                   "the arena as emulated (memory.arena), at more recomputation, and onnxgrad's CPU sessions run it "
+                   "in an arena that splits every chunk to the request; the report gives CUDA's need too "
                    "[default: exact].")
 @click.option("--cost", "cost", type=click.Choice(["model", "prices", "profile"]),
               help="With --budget or --sweep: the price of a recomputation. model: FLOPs of the heavy ops from the "

@@ -12,9 +12,14 @@ region is added.
 
 `least_arena` is the least limit under which the schedule of `simulate.allocations` runs. Measured against the
 CPU provider's arena (bench/bench_arena.py), with kNextPowerOfTwo it is within -5% to +3% of the least limit under
-which onnxruntime ran ResNet-50, GPT-2 small, ViT-B/16 and the shipped CNN, and 11.5% low on BERT-base, where
-onnxruntime's MatMul-Transpose fusion allocates otherwise (767 MiB with it off, against 843). With
+which onnxruntime ran ResNet-50, GPT-2 small, ViT-B/16 and the shipped CNN, and 11.5% low on BERT-base. With
 kSameAsRequested, whose many regions make it depend on every small request: from -12% (GPT-2) to +9%.
+
+By default the arena leaves a chunk whole when it is less than twice the request and the rest is under 128 MiB,
+so up to half a chunk lies unused while it is held. onnxgrad's CPU sessions give a plan made for the arena
+(`mirror --allocator arena`) an arena that splits every chunk to the request (`SPLIT_ALWAYS`, onnxruntime's
+`max_dead_bytes_per_chunk` at 256 bytes): on BERT-base's 0.9x plan it held 754 MiB where the default held 850, and
+the emulation of it was 2% low there (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ MIN_ALLOCATION = 256
 BINS = 21  # free chunks are binned by size: bin b holds [256 << b, 256 << (b + 1)), the last one the rest
 INITIAL_REGION = 1 << 20  # onnxruntime's default initial_chunk_size_bytes
 MAX_DEAD_BYTES = 128 << 20  # onnxruntime's default max_dead_bytes_per_chunk
+SPLIT_ALWAYS = MIN_ALLOCATION  # a max_dead_bytes_per_chunk that splits off any rest: onnxgrad's CPU arena
 
 
 class OutOfArena(Exception):
@@ -107,7 +113,7 @@ class Arena:
                 continue
             size, address = free.pop(i)
             chunk = self.chunks[address]
-            if size >= 2 * need or size - need >= self.max_dead_bytes:
+            if size >= 2 * need or size - need >= max(self.max_dead_bytes, MIN_ALLOCATION):
                 rest = address + need
                 self.chunks[rest] = [size - need, False, address, chunk[3]]
                 if chunk[3] is not None:
@@ -138,9 +144,10 @@ class Arena:
         self._bin(self._top)
 
 
-def runs_within(events: list[tuple[object, int]], limit: int, strategy: str = NEXT_POWER_OF_TWO) -> bool:
+def runs_within(events: list[tuple[object, int]], limit: int, strategy: str = NEXT_POWER_OF_TWO,
+                max_dead_bytes: int = MAX_DEAD_BYTES) -> bool:
     """Whether an arena limited to `limit` bytes serves every allocation of `events` (`simulate.allocations`)."""
-    arena, held = Arena(limit, strategy), {}
+    arena, held = Arena(limit, strategy, max_dead_bytes), {}
     try:
         for key, nbytes in events:
             if nbytes:
@@ -152,13 +159,16 @@ def runs_within(events: list[tuple[object, int]], limit: int, strategy: str = NE
     return True
 
 
-def least_arena(graph: Graph, strategy: str = NEXT_POWER_OF_TWO, nbytes: dict[int, int] | None = None) -> int:
+def least_arena(graph: Graph, strategy: str = NEXT_POWER_OF_TWO, nbytes: dict[int, int] | None = None,
+                max_dead_bytes: int = MAX_DEAD_BYTES) -> int:
     """The least limit (bytes) under which the arena runs `graph.nodes` as scheduled: the dynamic bytes the
     process needs with the arena, where `simulate` gives the live ones."""
-    return least_limit(allocations(graph, nbytes if nbytes is not None else sizes(graph)), strategy)
+    return least_limit(allocations(graph, nbytes if nbytes is not None else sizes(graph)), strategy,
+                       max_dead_bytes=max_dead_bytes)
 
 
-def least_limit(events: list[tuple[object, int]], strategy: str = NEXT_POWER_OF_TWO, precision: float = 0.002) -> int:
+def least_limit(events: list[tuple[object, int]], strategy: str = NEXT_POWER_OF_TWO, precision: float = 0.002,
+                max_dead_bytes: int = MAX_DEAD_BYTES) -> int:
     """The least limit, within `precision` of itself, under which the arena serves `events`."""
     live_sizes: dict = {}
     live = peak = 0
@@ -170,11 +180,11 @@ def least_limit(events: list[tuple[object, int]], strategy: str = NEXT_POWER_OF_
         else:
             live -= live_sizes.pop(key)
     low, high = peak - 1, max(peak, MIN_ALLOCATION)
-    while not runs_within(events, high, strategy):
+    while not runs_within(events, high, strategy, max_dead_bytes):
         low, high = high, high * 2
     while high - low > max(precision * high, MIN_ALLOCATION):
         middle = (low + high) // 2
-        if runs_within(events, middle, strategy):
+        if runs_within(events, middle, strategy, max_dead_bytes):
             high = middle
         else:
             low = middle

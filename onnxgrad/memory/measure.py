@@ -19,7 +19,8 @@ from pathlib import Path
 
 # How the measuring process allocates: "exact" as onnxgrad's sessions run a graph with a budget (the CPU arena
 # off, glibc's mmap threshold fixed: `runtime.follow_live_bytes`); "arena" with onnxruntime's CPU arena on (a
-# session's default, and onnxgrad's for graphs without a budget) and glibc's default malloc; "glibc" with the
+# session's default, and onnxgrad's for graphs without a budget; for a plan made for the arena, the arena
+# onnxgrad's sessions give it: `runtime.split_every_chunk`) and glibc's default malloc; "glibc" with the
 # arena off and glibc's default malloc (which raises its mmap threshold after large frees, so freed tensors stay
 # resident).
 ALLOCATORS = ("exact", "arena", "glibc")
@@ -43,6 +44,8 @@ fix_malloc = runtime.follow_live_bytes
 runtime.follow_live_bytes = lambda: False  # the allocator is chosen here, not by the graph's metadata
 if allocator == "exact":
     fix_malloc()
+if allocator != "arena":
+    runtime.split_every_chunk = lambda so: None
 so, extra = runtime.session_options(model, threads)
 so.enable_cpu_mem_arena = allocator == "arena"
 so.enable_mem_pattern = False
@@ -96,15 +99,16 @@ import onnx, onnxruntime as ort
 from onnxgrad import runtime
 from onnxgrad.protos import random_feeds
 
-path, limit, strategy, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+path, limit, strategy, threads, dead = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 model = onnx.load(path)
 runtime.follow_live_bytes = lambda: False  # the arena allocates here, not glibc's mmap
+runtime.split_every_chunk = lambda so: None  # and it is the one configured here
 so, extra = runtime.session_options(model, threads)
 so.enable_cpu_mem_arena = True
 so.enable_mem_pattern = False
 so.add_session_config_entry("session.use_env_allocators", "1")
 info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-ort.create_and_register_allocator(info, ort.OrtArenaCfg(limit, strategy, -1, -1))
+ort.create_and_register_allocator(info, ort.OrtArenaCfg(limit, strategy, -1, dead))
 sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], **extra)
 feeds = random_feeds(model, {}, 0, {t.name for t in model.graph.initializer})
 del model
@@ -117,11 +121,13 @@ ARENA_STRATEGIES = {"kNextPowerOfTwo": 0, "kSameAsRequested": 1}  # OrtArenaCfg'
 
 
 def runs_in_arena(model_path: str | os.PathLike, limit: int, strategy: str = "kNextPowerOfTwo",
-                  threads: int = 1) -> bool:
+                  threads: int = 1, max_dead_bytes: int = -1) -> bool:
     """Whether one run of the graph succeeds in onnxruntime's CPU arena limited to `limit` bytes (its BFC arena,
-    the one CUDA has too), in a fresh process; False when the arena refuses a request."""
+    the one CUDA has too), in a fresh process; False when the arena refuses a request. `max_dead_bytes`: the
+    arena's max_dead_bytes_per_chunk (-1: onnxruntime's default, 128 MiB)."""
     proc = subprocess.run([sys.executable, "-c", ARENA_CHILD, str(model_path), str(int(limit)),
-                           str(ARENA_STRATEGIES[strategy]), str(threads)], capture_output=True, text=True)
+                           str(ARENA_STRATEGIES[strategy]), str(threads), str(max_dead_bytes)],
+                          capture_output=True, text=True)
     if proc.returncode not in (0, 3):
         raise RuntimeError(f"running {Path(model_path).name} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return proc.returncode == 0

@@ -16,7 +16,7 @@ from ..contract import ALLOCATOR_KEY, BUDGET_KEY, MIRROR_KEY
 from ..errors import UsageError
 from ..memory import plan as plans
 from ..memory import solvers, sweep
-from ..memory.arena import NEXT_POWER_OF_TWO, STRATEGIES, least_arena
+from ..memory.arena import NEXT_POWER_OF_TWO, SPLIT_ALWAYS, STRATEGIES, least_arena
 from ..memory.budget import (BudgetProblem, MirrorOptions, budget_policy, problem_front, problem_target,
                              recompute_costs)
 from ..memory.cost import CostModel
@@ -73,12 +73,15 @@ class Mirror(Pass):
         plans.apply(graph, plan, build.new_names())
         after_bytes = sizes(graph, o.dims)
         after = simulate(graph, nbytes=after_bytes)
-        # what the process holds when onnxruntime's arena allocates (the CPU arena, CUDA's): more than the live bytes
+        # what the process holds when onnxruntime's arena allocates: more than the live bytes. With onnxruntime's
+        # default chunk splitting (CUDA's arena, a default CPU session's), and as onnxgrad's CPU sessions configure
+        # the arena for a plan made for it (every chunk split: runtime.split_every_chunk)
         arena = {s: after.static + least_arena(graph, s, after_bytes) for s in STRATEGIES}
+        cpu_arena = after.static + least_arena(graph, NEXT_POWER_OF_TWO, after_bytes, SPLIT_ALWAYS)
         plan.predicted = {"peak_bytes": after.peak, "unmirrored_peak_bytes": before.peak,
                           "saved_bytes": sum(b for _, b in after.saved),
                           "unmirrored_saved_bytes": sum(b for _, b in before.saved),
-                          "arena_peak_bytes": arena}
+                          "arena_peak_bytes": arena, "cpu_arena_peak_bytes": cpu_arena}
         cuda = arena[NEXT_POWER_OF_TWO]  # as onnxgrad's CUDA sessions run a budgeted graph (runtime.provider_options)
         if budget is not None and budget.budget_bytes is not None and budget.allocator == "exact" \
                 and cuda > budget.budget_bytes:
