@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_arena.py GRAPH [GRAPH ...] [--strategies same,pow2,split] [--threads 2]
         [--tolerance 0.01] [--no-run]   # only the emulation (memory.arena), no onnxruntime
+        [--resident]   # the resident set of a step in an arena without a limit, instead of the least limit
 
 On CUDA, onnxgrad's sessions give a graph that records a budget onnxruntime's BFC arena with
 `arena_extend_strategy=kNextPowerOfTwo` and `gpu_mem_limit` = the budget (`runtime.provider_options`); on the CPU,
@@ -23,6 +24,7 @@ every chunk split to the request: the arena onnxgrad's CPU sessions give a plan 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from onnxgrad.api import load_graph  # noqa: E402
 from onnxgrad.memory.arena import (MAX_DEAD_BYTES, NEXT_POWER_OF_TWO, SAME_AS_REQUESTED, SPLIT_ALWAYS,  # noqa: E402
                                    least_arena)
-from onnxgrad.memory.measure import runs_in_arena  # noqa: E402
+from onnxgrad.memory.measure import ARENA_STRATEGIES, runs_in_arena  # noqa: E402
 from onnxgrad.memory.simulate import simulate  # noqa: E402
 from onnxgrad.contract import BUDGET_KEY  # noqa: E402
 
@@ -57,6 +59,49 @@ def measured_arena(path: str, start: int, arena: tuple[str, int], threads: int, 
     return high
 
 
+RSS_CHILD = r"""
+import json, sys
+import onnx, onnxruntime as ort
+from onnxgrad import runtime
+from onnxgrad.protos import random_feeds
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+path, strategy, dead, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+model = onnx.load(path)
+runtime.follow_live_bytes = lambda: False
+runtime.split_every_chunk = lambda so: None  # the arena is the one configured here
+so, extra = runtime.session_options(model, threads)
+so.enable_cpu_mem_arena = True
+so.enable_mem_pattern = False
+so.add_session_config_entry("session.use_env_allocators", "1")
+info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, strategy, -1, dead))
+sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], **extra)
+feeds = random_feeds(model, {}, 0, {t.name for t in model.graph.initializer})
+del model
+base = status("VmRSS")
+for _ in range(2):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    sess.run(None, feeds)
+print(json.dumps(status("VmHWM") - base))
+"""
+
+
+def resident_in_arena(path: str, arena: tuple[str, int], threads: int) -> int:
+    """The bytes two runs of `path` add to the resident set in an arena without a limit, in a fresh process."""
+    strategy, dead = arena
+    proc = subprocess.run([sys.executable, "-c", RSS_CHILD, path, str(ARENA_STRATEGIES[strategy]),
+                           str(-1 if dead == MAX_DEAD_BYTES else dead), str(threads)], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{path}: {proc.stderr.strip().splitlines()[-1:]}")
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("graphs", nargs="+")
@@ -64,8 +109,32 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tolerance", type=float, default=0.01, help="bisection's relative precision")
     parser.add_argument("--no-run", action="store_true", help="only the emulation, no onnxruntime")
+    parser.add_argument("--resident", action="store_true",
+                        help="instead of the least limit: the resident set one step adds in an arena without a "
+                             "limit (as a session runs), beside the emulated least limit")
     args = parser.parse_args()
     strategies = args.strategies.split(",")
+    if args.resident:
+        print("| graph | budget - static MiB | simulated dynamic peak MiB | "
+              + " | ".join(f"{s}: resident MiB without a limit (emulated least limit), / simulated, / budget"
+                           for s in strategies) + " |")
+        print("|---|---|---|" + "---|" * len(strategies))
+        for path in args.graphs:
+            graph = load_graph(path)
+            timeline = simulate(graph)
+            dynamic = timeline.peak - timeline.static
+            budget = graph.metadata.get(BUDGET_KEY)
+            room = int(budget) - timeline.static if budget and budget.isdigit() else None
+            emulated = {name: least_arena(graph, STRATEGIES[name][0], max_dead_bytes=STRATEGIES[name][1])
+                        for name in strategies}
+            del graph
+            cells = [Path(path).name, f"{room / MIB:.1f}" if room else "-", f"{dynamic / MIB:.1f}"]
+            for name in strategies:
+                held = resident_in_arena(path, STRATEGIES[name], args.threads)
+                cells.append(f"{held / MIB:.1f} ({emulated[name] / MIB:.1f}), {held / dynamic:.2f}, "
+                             + (f"{held / room:.2f}" if room else "-"))
+            print("| " + " | ".join(cells) + " |", flush=True)
+        return
     print("| graph | budget - static MiB | simulated dynamic peak MiB | "
           + " | ".join(f"{s}: least arena MiB measured (emulated), / simulated, / budget" for s in strategies) + " |")
     print("|---|---|---|" + "---|" * len(strategies))
