@@ -67,14 +67,18 @@ def session_options(model: onnx.ModelProto, threads: int | None = None) -> tuple
         so.execution_order = getattr(ort.ExecutionOrder, order)
     if hints.get(MEMORY_REUSE_KEY) == "off":
         so.enable_mem_reuse = False
+        # Memory patterns lay out a run's tensors in one block, planned from the first run; the arena keeps what
+        # the first run took, so from the second run on the block comes on top of it: `onnxgrad train` on
+        # ResNet-50's step graph held 1486 MiB with them and 762 without, at 3% more time a step (BENCHMARKS.md).
+        so.enable_mem_pattern = False
     if keeps_budget(model):
-        # A graph that `mirror --budget` made to fit. Memory patterns allocate a run's tensors as one block, so
-        # they are off. Made for the live bytes (`--allocator exact`), its memory is what `memory.simulate`
-        # predicts when every tensor is allocated when made and returned when freed: the CPU arena keeps freed
-        # blocks for later requests (a ResNet-50 step held 1.14x the live bytes in it), so it is off too, and
-        # malloc gives memory back. That costs time: every tensor's pages are mapped anew (the same step took
-        # 3x as long on the 2-core machine of BENCHMARKS.md). A plan made for the arena (`--allocator arena`)
-        # keeps it: the arena it needs fits the budget (`memory.arena`).
+        # A graph that `mirror --budget` made to fit, memory patterns off as for every training graph. Made for
+        # the live bytes (`--allocator exact`), its memory is what `memory.simulate` predicts when every tensor
+        # is allocated when made and returned when freed: the CPU arena keeps freed blocks for later requests (a
+        # ResNet-50 step held 1.14x the live bytes in it), so it is off too, and malloc gives memory back. That
+        # costs time: every tensor's pages are mapped anew (the same step took 3x as long on the 2-core machine
+        # of BENCHMARKS.md). A plan made for the arena (`--allocator arena`) keeps it, splitting every chunk: the
+        # arena it needs fits the budget (`memory.arena`).
         so.enable_mem_pattern = False
         if hints.get(ALLOCATOR_KEY) != "arena":
             so.enable_cpu_mem_arena = False
