@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/bench_arena.py GRAPH [GRAPH ...] [--strategies same,pow2,split] [--threads 2]
         [--tolerance 0.01] [--no-run]   # only the emulation (memory.arena), no onnxruntime
-        [--resident]   # the resident set of a step in an arena without a limit, instead of the least limit
+        [--resident]   # the resident set of a step in an arena without a limit (and the step's seconds),
+                       # instead of the least limit
 
 On CUDA, onnxgrad's sessions give a graph that records a budget onnxruntime's BFC arena with
 `arena_extend_strategy=kNextPowerOfTwo` and `gpu_mem_limit` = the budget (`runtime.provider_options`); on the CPU,
@@ -24,6 +25,7 @@ every chunk split to the request: the arena onnxgrad's CPU sessions give a plan 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +62,7 @@ def measured_arena(path: str, start: int, arena: tuple[str, int], threads: int, 
 
 
 RSS_CHILD = r"""
-import json, sys
+import json, sys, time
 import onnx, onnxruntime as ort
 from onnxgrad import runtime
 from onnxgrad.protos import random_feeds
@@ -84,22 +86,27 @@ sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], **extr
 feeds = random_feeds(model, {}, 0, {t.name for t in model.graph.initializer})
 del model
 base = status("VmRSS")
-for _ in range(2):
+seconds = []
+for _ in range(3):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+    start = time.perf_counter()
     sess.run(None, feeds)
-print(json.dumps(status("VmHWM") - base))
+    seconds.append(time.perf_counter() - start)
+print(json.dumps([status("VmHWM") - base, sorted(seconds[1:])[0]]))
 """
 
 
-def resident_in_arena(path: str, arena: tuple[str, int], threads: int) -> int:
-    """The bytes two runs of `path` add to the resident set in an arena without a limit, in a fresh process."""
+def resident_in_arena(path: str, arena: tuple[str, int], threads: int) -> tuple[int, float]:
+    """The bytes three runs of `path` add to the resident set in an arena without a limit, in a fresh process,
+    and the faster of the last two runs' seconds."""
     strategy, dead = arena
     proc = subprocess.run([sys.executable, "-c", RSS_CHILD, path, str(ARENA_STRATEGIES[strategy]),
                            str(-1 if dead == MAX_DEAD_BYTES else dead), str(threads)], capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{path}: {proc.stderr.strip().splitlines()[-1:]}")
-    return int(proc.stdout.strip().splitlines()[-1])
+    held, seconds = json.loads(proc.stdout.strip().splitlines()[-1])
+    return held, seconds
 
 
 def main() -> None:
@@ -116,8 +123,8 @@ def main() -> None:
     strategies = args.strategies.split(",")
     if args.resident:
         print("| graph | budget - static MiB | simulated dynamic peak MiB | "
-              + " | ".join(f"{s}: resident MiB without a limit (emulated least limit), / simulated, / budget"
-                           for s in strategies) + " |")
+              + " | ".join(f"{s}: resident MiB without a limit (emulated least limit), / simulated, / budget, "
+                           "step s" for s in strategies) + " |")
         print("|---|---|---|" + "---|" * len(strategies))
         for path in args.graphs:
             graph = load_graph(path)
@@ -130,9 +137,9 @@ def main() -> None:
             del graph
             cells = [Path(path).name, f"{room / MIB:.1f}" if room else "-", f"{dynamic / MIB:.1f}"]
             for name in strategies:
-                held = resident_in_arena(path, STRATEGIES[name], args.threads)
+                held, seconds = resident_in_arena(path, STRATEGIES[name], args.threads)
                 cells.append(f"{held / MIB:.1f} ({emulated[name] / MIB:.1f}), {held / dynamic:.2f}, "
-                             + (f"{held / room:.2f}" if room else "-"))
+                             + (f"{held / room:.2f}" if room else "-") + f", {seconds:.2f}")
             print("| " + " | ".join(cells) + " |", flush=True)
         return
     print("| graph | budget - static MiB | simulated dynamic peak MiB | "
