@@ -25,8 +25,6 @@ every chunk split to the request: the arena onnxgrad's CPU sessions give a plan 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from onnxgrad.api import load_graph  # noqa: E402
 from onnxgrad.memory.arena import (MAX_DEAD_BYTES, NEXT_POWER_OF_TWO, SAME_AS_REQUESTED, SPLIT_ALWAYS,  # noqa: E402
                                    least_arena)
-from onnxgrad.memory.measure import ARENA_STRATEGIES, runs_in_arena  # noqa: E402
+from onnxgrad.memory.measure import resident_in_arena, runs_in_arena  # noqa: E402
 from onnxgrad.memory.simulate import simulate  # noqa: E402
 from onnxgrad.contract import BUDGET_KEY  # noqa: E402
 
@@ -61,54 +59,6 @@ def measured_arena(path: str, start: int, arena: tuple[str, int], threads: int, 
     return high
 
 
-RSS_CHILD = r"""
-import json, sys, time
-import onnx, onnxruntime as ort
-from onnxgrad import runtime
-from onnxgrad.protos import random_feeds
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-
-path, strategy, dead, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-model = onnx.load(path)
-runtime.follow_live_bytes = lambda: False
-runtime.split_every_chunk = lambda so: None  # the arena is the one configured here
-so, extra = runtime.session_options(model, threads)
-so.enable_cpu_mem_arena = True
-so.enable_mem_pattern = False
-so.add_session_config_entry("session.use_env_allocators", "1")
-info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, strategy, -1, dead))
-sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], **extra)
-feeds = random_feeds(model, {}, 0, {t.name for t in model.graph.initializer})
-del model
-base = status("VmRSS")
-seconds = []
-for _ in range(3):
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    start = time.perf_counter()
-    sess.run(None, feeds)
-    seconds.append(time.perf_counter() - start)
-print(json.dumps([status("VmHWM") - base, sorted(seconds[1:])[0]]))
-"""
-
-
-def resident_in_arena(path: str, arena: tuple[str, int], threads: int) -> tuple[int, float]:
-    """The bytes three runs of `path` add to the resident set in an arena without a limit, in a fresh process,
-    and the faster of the last two runs' seconds."""
-    strategy, dead = arena
-    proc = subprocess.run([sys.executable, "-c", RSS_CHILD, path, str(ARENA_STRATEGIES[strategy]),
-                           str(-1 if dead == MAX_DEAD_BYTES else dead), str(threads)], capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{path}: {proc.stderr.strip().splitlines()[-1:]}")
-    held, seconds = json.loads(proc.stdout.strip().splitlines()[-1])
-    return held, seconds
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("graphs", nargs="+")
@@ -121,29 +71,10 @@ def main() -> None:
                              "limit (as a session runs), beside the emulated least limit")
     args = parser.parse_args()
     strategies = args.strategies.split(",")
-    if args.resident:
-        print("| graph | budget - static MiB | simulated dynamic peak MiB | "
-              + " | ".join(f"{s}: resident MiB without a limit (emulated least limit), / simulated, / budget, "
-                           "step s" for s in strategies) + " |")
-        print("|---|---|---|" + "---|" * len(strategies))
-        for path in args.graphs:
-            graph = load_graph(path)
-            timeline = simulate(graph)
-            dynamic = timeline.peak - timeline.static
-            budget = graph.metadata.get(BUDGET_KEY)
-            room = int(budget) - timeline.static if budget and budget.isdigit() else None
-            emulated = {name: least_arena(graph, STRATEGIES[name][0], max_dead_bytes=STRATEGIES[name][1])
-                        for name in strategies}
-            del graph
-            cells = [Path(path).name, f"{room / MIB:.1f}" if room else "-", f"{dynamic / MIB:.1f}"]
-            for name in strategies:
-                held, seconds = resident_in_arena(path, STRATEGIES[name], args.threads)
-                cells.append(f"{held / MIB:.1f} ({emulated[name] / MIB:.1f}), {held / dynamic:.2f}, "
-                             + (f"{held / room:.2f}" if room else "-") + f", {seconds:.2f}")
-            print("| " + " | ".join(cells) + " |", flush=True)
-        return
+    what = ("resident MiB without a limit (emulated least limit), / simulated, / budget, step s" if args.resident
+            else "least arena MiB measured (emulated), / simulated, / budget")
     print("| graph | budget - static MiB | simulated dynamic peak MiB | "
-          + " | ".join(f"{s}: least arena MiB measured (emulated), / simulated, / budget" for s in strategies) + " |")
+          + " | ".join(f"{s}: {what}" for s in strategies) + " |")
     print("|---|---|---|" + "---|" * len(strategies))
     for path in args.graphs:
         graph = load_graph(path)
@@ -156,12 +87,18 @@ def main() -> None:
         del graph
         cells = [Path(path).name, f"{room / MIB:.1f}" if room else "-", f"{dynamic / MIB:.1f}"]
         for name in strategies:
-            need = emulated[name] if args.no_run else measured_arena(path, dynamic, STRATEGIES[name], args.threads,
-                                                                      args.tolerance)
+            strategy, dead = STRATEGIES[name]
+            seconds = None
+            if args.resident:
+                need, seconds = resident_in_arena(path, strategy, args.threads,
+                                                  -1 if dead == MAX_DEAD_BYTES else dead)
+            elif args.no_run:
+                need = emulated[name]
+            else:
+                need = measured_arena(path, dynamic, STRATEGIES[name], args.threads, args.tolerance)
             cells.append(f"{need / MIB:.1f} ({emulated[name] / MIB:.1f}), {need / dynamic:.2f}, "
-                         + (f"{need / room:.2f}" if room else "-"))
+                         + (f"{need / room:.2f}" if room else "-") + (f", {seconds:.2f}" if seconds else ""))
         print("| " + " | ".join(cells) + " |", flush=True)
-
 
 if __name__ == "__main__":
     main()

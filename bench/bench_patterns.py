@@ -14,46 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-CHILD = r"""
-import json, sys, time
-from onnxgrad import cli, runtime
-from onnxgrad.training import StepGraphTrainer
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-
-if sys.argv[1] == "on":
-    settings = runtime.session_options
-    def with_patterns(model, threads=None):
-        so, extra = settings(model, threads)
-        so.enable_mem_pattern = True
-        return so, extra
-    runtime.session_options = with_patterns
-seen = {"times": []}
-step = StepGraphTrainer.step
-def timed(self, feeds):
-    if "before" not in seen:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        seen["before"] = status("VmRSS")
-    start = time.perf_counter()
-    out = step(self, feeds)
-    seen["times"].append(time.perf_counter() - start)
-    return out
-StepGraphTrainer.step = timed
-code = cli.main(sys.argv[2:])
-print(json.dumps({"rise": status("VmHWM") - seen["before"], "times": seen["times"]}))
-sys.exit(code)
-"""
-
+from bench_real_budget import TRAIN
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -76,13 +44,15 @@ def main() -> None:
     data = work / (Path(args.model).stem + "_data.npz")
     np.savez(data, **{k: np.concatenate([v] * args.steps) for k, v in feeds.items()})
     seen: dict[str, list] = {"off": [], "on": []}
+    record = work / "train_record.json"
     for _ in range(args.rounds):
         for patterns in seen:
-            p = subprocess.run([sys.executable, "-c", CHILD, patterns, "train", str(step), "--data", str(data),
-                                "--steps", str(args.steps), "--batch", str(args.batch), "--provider", "cpu",
-                                "--threads", str(args.threads), "--no-shuffle", "--quiet"],
-                               capture_output=True, text=True, check=True)
-            seen[patterns].append(json.loads(p.stdout.strip().splitlines()[-1]))
+            subprocess.run([sys.executable, "-c", TRAIN, str(record), "train", str(step), "--data", str(data),
+                            "--steps", str(args.steps), "--batch", str(args.batch), "--provider", "cpu",
+                            "--threads", str(args.threads), "--no-shuffle", "--quiet"],
+                           capture_output=True, text=True, check=True, env={**os.environ, "MEMORY_PATTERNS": patterns})
+            run = json.loads(record.read_text())
+            seen[patterns].append({"rise": run["hwm"] - run["before"], "times": run["times"]})
     print("| memory patterns | rise MiB | step s (median after the first) |")
     print("|---|---|---|")
     for patterns, runs in seen.items():

@@ -105,9 +105,12 @@ BATCH = {"resnet50": 8, "gpt2": 4, "bert": 8, "vit": 4}
 
 # Runs `onnxgrad train` in this process, reading the resident set just before the first step and its high-water
 # mark at the end (the step itself is untouched).
+# `onnxgrad train` ARGS in a process that records, in the JSON file RECORD, its resident set before the first step
+# ("before"), its high-water mark at the end ("hwm") and each step's seconds; MEMORY_PATTERNS=on turns
+# onnxruntime's memory patterns on in its sessions (bench_patterns.py)
 TRAIN = r"""
-import json, sys
-from onnxgrad import cli
+import json, os, sys, time
+from onnxgrad import cli, runtime
 from onnxgrad.training import StepGraphTrainer
 
 def status(key):
@@ -115,19 +118,30 @@ def status(key):
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
 
-seen = {}
+if os.environ.get("MEMORY_PATTERNS") == "on":
+    settings = runtime.session_options
+    def with_patterns(model, threads=None):
+        so, extra = settings(model, threads)
+        so.enable_mem_pattern = True
+        return so, extra
+    runtime.session_options = with_patterns
+seen = {"times": []}
 step = StepGraphTrainer.step
 def observed(self, feeds):
     if "before" not in seen:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         seen["before"] = status("VmRSS")
-    return step(self, feeds)
+    start = time.perf_counter()
+    out = step(self, feeds)
+    seen["times"].append(time.perf_counter() - start)
+    return out
 StepGraphTrainer.step = observed
 try:
     code = cli.main(sys.argv[2:])
 finally:
-    json.dump({"before": seen.get("before"), "hwm": status("VmHWM")}, open(sys.argv[1], "w"))
+    json.dump({"before": seen.get("before"), "hwm": status("VmHWM"), "times": seen["times"]},
+              open(sys.argv[1], "w"))
 sys.exit(code)
 """
 
