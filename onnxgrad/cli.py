@@ -321,9 +321,7 @@ def build_grad(mirror, **flags):
                    "gap of 0 proves it optimal.")
 @click.option("--time-limit", type=click.FloatRange(min=1),
               help="With --solver exact or milp: seconds the solver may take (the best schedule found then is "
-                   "used, with its gap in the report). exact counts CP-SAT's deterministic work instead of the "
-                   "clock (about these seconds on 2 cores; a clock guard at 5x), so the same "
-                   "input gives the same plan in every run [default: 60].")
+                   "used, with its gap in the report) [default: 60].")
 @click.option("--max-extra-passes", "max_extra_passes", type=click.FloatRange(min=0),
               help="With --budget: choose no plan that recomputes more than this many forward passes' worth "
                    "(in the cost's units). Near the floor a plan can reach a few MiB lower by recomputing the "

@@ -14,14 +14,8 @@ the hint stands (a warning says so) rather than a schedule over the budget. The 
 fast solver's schedule), so its answer is never worse; at the time limit it returns the best schedule found,
 with the gap between its extra cost and the proven lower bound: CP-SAT's own, or `extra_cost_bound`'s where that
 is higher (CP-SAT's bound often stays at 0). A hint that meets `extra_cost_bound` is optimal as it stands and is
-returned without a search.
-
-The search is reproducible: CP-SAT's workers take turns (`interleave_search`) and it stops at a limit of
-deterministic work (its `deterministic_time`, in units of about 3 s on the 2-core machine of BENCHMARKS.md)
-rather than of wall time, so the same input gives the same schedule, status and gap on any machine. Workers in
-parallel under a wall-clock limit returned different optimal schedules of equal cost from run to run. A wall-clock
-limit of `WALL_CAP` times the time limit remains as a guard; a search it stops is not reproducible, and a warning
-says so.
+returned without a search. CP-SAT with several workers may return different optimal schedules of equal cost from
+run to run; a single worker is deterministic.
 """
 from __future__ import annotations
 
@@ -31,10 +25,6 @@ from ...errors import UsageError
 from .problem import Problem, Solution, extra_cost_bound, freed_after, make_solution, without_unread_copies
 
 COPIES = 3  # runs allowed per movable op (one run plus two recomputations); the hint may raise it per op
-# CP-SAT's deterministic work per second of --time-limit: 6.4 units took 19.4 s on the 30-op DAG with 2 workers
-# interleaved (2 cores, nothing else running)
-WORK_PER_SECOND = 0.33
-WALL_CAP = 5.0  # the wall-clock guard, in time limits
 
 
 def _cp_model():
@@ -139,15 +129,9 @@ def solve_exact(problem: Problem, budget: int, time_limit: float = 60.0, hint: S
     if hint is not None:
         _hint(m, problem, hint, runs, start, end, present, chosen, last)
     solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit)
     solver.parameters.num_workers = max(1, int(workers))
-    solver.parameters.interleave_search = True
-    solver.parameters.max_deterministic_time = float(time_limit) * WORK_PER_SECOND
-    solver.parameters.max_time_in_seconds = float(time_limit) * WALL_CAP
     code = solver.Solve(m)
-    if solver.WallTime() >= float(time_limit) * WALL_CAP * 0.99:
-        logging.getLogger("onnxgrad").warning(
-            "exact: CP-SAT was stopped by the wall clock (%.0f s) before its work limit; another run may return "
-            "another schedule", solver.WallTime())
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if code == cp_model.INFEASIBLE:
             return None
