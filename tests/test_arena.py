@@ -91,6 +91,18 @@ def test_the_emulated_arena_is_the_one_onnxruntime_needs(tmp_path):
     assert not runs_in_arena(path, live, SAME_AS_REQUESTED) and live < min(power, same)
 
 
+def test_what_a_step_holds_in_an_arena_without_a_limit(tmp_path):
+    """`measure.resident_in_arena`, the figure of bench_arena.py --resident: the bytes a step adds to the resident
+    set with either chunk rule, at least the live bytes the simulator counts, and the step's seconds."""
+    from onnxgrad.memory.measure import resident_in_arena
+    graph = _cnn_training_graph(tmp_path)
+    timeline = simulate(graph)
+    live = timeline.peak - timeline.static
+    for dead in (-1, SPLIT_ALWAYS):
+        held, seconds = resident_in_arena(tmp_path / "train.onnx", NEXT_POWER_OF_TWO, max_dead_bytes=dead)
+        assert 0.95 * live <= held <= 4 * live and 0 < seconds < 10
+
+
 def _cnn_training_graph(tmp_path):
     """The shipped CNN's training graph at batch 256 (3 MiB of live bytes at its peak), written to tmp_path."""
     path = tmp_path / "train.onnx"
