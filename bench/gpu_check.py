@@ -27,6 +27,10 @@
    and `bf16`; `--precisions` to choose), the gradient error taken against the float32 graph on the CPU provider
    and torch running under `torch.autocast` (with a GradScaler for fp16); then one table of each half-precision
    row against its model's float32 row: step time and memory, ours and torch's.
+4. The budget on CUDA, per `--budgets` (gpt by default): the training graph planned by `mirror --budget B`
+   for the live bytes and for the arena, run as onnxgrad's sessions run it (CUDA's arena with kNextPowerOfTwo and
+   `gpu_mem_limit` = the budget): whether the runs stay within the limit, and the device memory held, against the
+   emulated arena (`predicted.arena_peak_bytes`).
 Takes 1-3 minutes on one GPU per precision. Nothing here needs a GPU to import: tests/test_cuda_coverage.py tests
 the parts that do not.
 """
@@ -329,6 +333,52 @@ def check_model(name: str, steps: int, rounds: int, lr: float, use_torch: bool, 
     return row
 
 
+def check_budget(name: str, budget: str, allocator: str, runs: int = 3, device: str = "cuda") -> dict:
+    """A budgeted training graph as onnxgrad's sessions run it: `mirror --budget B --allocator A` on the model's
+    training graph, then `runs` runs in `runtime.session` (on CUDA: the arena with kNextPowerOfTwo and
+    `gpu_mem_limit` = the budget). Whether the runs stay within the arena's limit, and the device memory the
+    process holds after them (nvidia-smi, after minus before the session), against the budget and the emulated
+    arena of the report. device="cpu": the same on the CPU provider (the dry run)."""
+    import numpy as np
+
+    import bench_train
+    import onnxgrad
+    from onnxgrad import runtime
+
+    row: dict = {"model": name, "budget": budget, "allocator": allocator}
+    model = bench_train.MODELS[name]()
+    feeds = bench_train.batch_for(name, np.random.default_rng(0))
+    dims = {d.dim_param: feeds[i.name].shape[k] for i in model.graph.input if i.name in feeds
+            for k, d in enumerate(i.type.tensor_type.shape.dim) if d.dim_param}
+    built = onnxgrad.build(model, dims=dims, mirror="budget",
+                           mirror_options={"budget": budget, "allocator": allocator})
+    plan = built.report["mirror"]
+    row["budget_mib"] = plan["budget_bytes"] / 2 ** 20
+    row["emulated_arena_mib"] = plan["predicted"]["arena_peak_bytes"]["kNextPowerOfTwo"] / 2 ** 20
+    before = process_device_mib()
+    sess = runtime.session(built.model, provider=device)
+    try:
+        for _ in range(runs):
+            sess.run(None, feeds)
+        row["runs"] = "ran"
+    except Exception as e:  # the arena refused a request: the budget did not hold
+        row["runs"] = f"failed: {str(e).splitlines()[0][-120:]}"
+    after = process_device_mib()
+    row["device_mib"] = after - before if after is not None and before is not None else None
+    return row
+
+
+def format_budget_table(rows: list[dict]) -> str:
+    lines = ["| model | budget | allocator | budget MiB | emulated arena MiB | runs | device MiB held |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        held = r.get("device_mib")
+        lines.append(f"| {r['model']} | {r['budget']} | {r['allocator']} | {r.get('budget_mib', 0):.1f} | "
+                     f"{r.get('emulated_arena_mib', 0):.1f} | {r.get('runs', '-')} | "
+                     f"{'-' if held is None else f'{held:.0f}'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--setup", metavar="VENV", help="create VENV from the package index and run there")
@@ -339,6 +389,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    ap.add_argument("--budgets", default="0.9x,0.7x", help="budgets the budget check (step 4) runs the training "
+                    "graphs of --budget-models at, with both --allocator settings; empty: none")
+    ap.add_argument("--budget-models", default="gpt", help="models of the budget check (the mlp and cnn are "
+                    "below their floors at 0.9x)")
     ap.add_argument("--cpu", action="store_true", help="dry run on the CPU provider (no GPU needed): checks the "
                     "script itself; the CUDA columns then describe the CPU")
     args = ap.parse_args(argv)
@@ -412,8 +466,20 @@ def main(argv=None) -> int:
             print(f"- {r['model']}: shape arithmetic on the CPU provider (by design): {r['cpu_shape_nodes']}")
         if r.get("first_loss"):
             print(f"- {r['model']}: first-step loss {r['first_loss']}")
+    budget_rows = []
+    for name in args.budget_models.split(",") if args.budgets else []:
+        for budget in args.budgets.split(","):
+            for allocator in ("exact", "arena"):
+                try:
+                    budget_rows.append(check_budget(name, budget, allocator, device="cpu" if args.cpu else "cuda"))
+                except Exception as e:  # a plan the solver cannot make is a row too
+                    budget_rows.append({"model": name, "budget": budget, "allocator": allocator,
+                                        "runs": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+    if budget_rows:
+        print()
+        print(format_budget_table(budget_rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"steps": rows, "budgets": budget_rows}, indent=1, default=str))
     print(f"# {time.time() - started:.0f} s")
     return 0
 

@@ -241,3 +241,15 @@ def test_gpu_check_sets_half_precision_rows_against_float32(gpu_check):
     assert lines[3] == "| cnn | bf16 | n/a | n/a | n/a | n/a |"
     skipped = gpu_check.check_model("mlp", 1, 1, 0.01, False, device="cpu", precision="fp16")
     assert skipped["model"] == "mlp fp16" and skipped["cli"].startswith("skipped: the CPU provider")
+
+
+def test_gpu_check_runs_a_budgeted_graph_as_the_sessions_do(gpu_check):
+    """Step 4's row on the CPU provider (the dry run): the graph planned for each allocator runs within its
+    budget as onnxgrad's sessions run it, beside the budget and the emulated arena."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    rows = [gpu_check.check_budget("gpt", "0.7x", allocator, runs=2, device="cpu") for allocator in ("exact", "arena")]
+    for row in rows:
+        assert row["runs"] == "ran" and 0 < row["budget_mib"] and 0 < row["emulated_arena_mib"]
+    table = gpu_check.format_budget_table(rows)
+    assert table.count("\n") == 3 and "| gpt | 0.7x | arena |" in table
