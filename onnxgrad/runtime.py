@@ -69,7 +69,8 @@ def session_options(model: onnx.ModelProto, threads: int | None = None) -> tuple
         so.enable_mem_reuse = False
         # Memory patterns lay out a run's tensors in one block, planned from the first run; the arena keeps what
         # the first run took, so from the second run on the block comes on top of it: `onnxgrad train` on
-        # ResNet-50's step graph held 1486 MiB with them and 762 without, at 3% more time a step (BENCHMARKS.md).
+        # ResNet-50's step graph held 1486 MiB with them and 762 without, at up to 5% more time a step
+        # (BENCHMARKS.md).
         so.enable_mem_pattern = False
     if keeps_budget(model):
         # A graph that `mirror --budget` made to fit, memory patterns off as for every training graph. Made for
@@ -91,8 +92,8 @@ def session_options(model: onnx.ModelProto, threads: int | None = None) -> tuple
 
 def split_every_chunk(so: ort.SessionOptions) -> None:
     """Give the session a CPU arena that splits every free chunk down to the request (`memory.arena.SPLIT_ALWAYS`)
-    where onnxruntime's default leaves a chunk whole when the rest is under 128 MiB and less than the request: the
-    arena `mirror --allocator arena` plans for. BERT-base's 0.9x plan held 754 MiB of it, against 850 in the
+    where onnxruntime's default leaves a chunk whole when the rest is under 128 MiB and less than the request (a
+    plan made by `mirror --allocator arena` fits both). BERT-base's 0.9x plan held 754 MiB of it, against 850 in the
     default arena, at the same step time (BENCHMARKS.md). The arena is registered with onnxruntime's environment,
     which hands it to the sessions made after that ask for it; one made earlier keeps the arena it was given."""
     info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)

@@ -42,8 +42,8 @@ MAX_EXTRA_PASSES = 4.0
 ALLOCATORS = ("exact", "arena")
 # --allocator arena: the emulated arena (memory.arena, kNextPowerOfTwo) is raised by this much before it is held
 # against the budget; the plan must fit it with chunks split by onnxruntime's default rule (CUDA's arena) and with
-# every chunk split (the one onnxgrad's CPU sessions give such a plan: it held 5-11% less on ResNet-50 and BERT, but
-# an emulation of it alone let a ResNet-50 plan reach 1.03 of its budget). Against the CPU provider's arena the
+# every chunk split (the one onnxgrad's CPU sessions give such a plan: it held 3-11% less on most plans, but an
+# emulation of it alone let a ResNet-50 plan reach 1.03 of its budget). Against the CPU provider's arena the
 # default rule's emulation erred from -5.4% (ResNet-50's 0.7x plan) to +3% (bench/bench_arena.py, BENCHMARKS.md).
 ARENA_MARGIN = 0.06
 COSTS = ("model", "prices", "profile")
