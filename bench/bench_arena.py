@@ -43,10 +43,15 @@ STRATEGIES = {"pow2": (NEXT_POWER_OF_TWO, MAX_DEAD_BYTES), "same": (SAME_AS_REQU
               "split": (NEXT_POWER_OF_TWO, SPLIT_ALWAYS)}
 MIB = 2 ** 20
 
+
+def _ort_dead_bytes(dead: int) -> int:
+    """The emulation's max_dead_bytes_per_chunk as `OrtArenaCfg` takes it (-1: onnxruntime's default)."""
+    return -1 if dead == MAX_DEAD_BYTES else dead
+
+
 def measured_arena(path: str, start: int, arena: tuple[str, int], threads: int, tolerance: float) -> int:
     """The least max_mem (bytes) with which one run of `path` succeeds, within `tolerance` of itself."""
-    strategy, dead = arena
-    dead = -1 if dead == MAX_DEAD_BYTES else dead
+    strategy, dead = arena[0], _ort_dead_bytes(arena[1])
     low, high = start // 2, start
     while not runs_in_arena(path, high, strategy, threads, dead):
         low, high = high, high * 2
@@ -90,8 +95,7 @@ def main() -> None:
             strategy, dead = STRATEGIES[name]
             seconds = None
             if args.resident:
-                need, seconds = resident_in_arena(path, strategy, args.threads,
-                                                  -1 if dead == MAX_DEAD_BYTES else dead)
+                need, seconds = resident_in_arena(path, strategy, args.threads, _ort_dead_bytes(dead))
             elif args.no_run:
                 need = emulated[name]
             else:

@@ -103,8 +103,6 @@ else:
 
 BATCH = {"resnet50": 8, "gpt2": 4, "bert": 8, "vit": 4}
 
-# Runs `onnxgrad train` in this process, reading the resident set just before the first step and its high-water
-# mark at the end (the step itself is untouched).
 # `onnxgrad train` ARGS in a process that records, in the JSON file RECORD, its resident set before the first step
 # ("before"), its high-water mark at the end ("hwm") and each step's seconds; MEMORY_PATTERNS=on turns
 # onnxruntime's memory patterns on in its sessions (bench_patterns.py)

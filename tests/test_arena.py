@@ -10,7 +10,7 @@ from onnxgrad.api import build_gradient, load_graph
 from onnxgrad.memory.arena import (MAX_DEAD_BYTES, NEXT_POWER_OF_TWO, SAME_AS_REQUESTED, SPLIT_ALWAYS, Arena,
                                    OutOfArena, least_arena, runs_within)
 from onnxgrad.memory.measure import runs_in_arena
-from onnxgrad.memory.simulate import allocations, simulate, sizes
+from onnxgrad.memory.simulate import allocations, live_peak, simulate, sizes
 
 KIB = 1024
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -57,17 +57,8 @@ def test_a_chunk_is_split_by_the_default_rule_or_always():
 def test_the_events_are_the_simulated_live_bytes(tmp_path):
     graph = _cnn_training_graph(tmp_path)
     nbytes = sizes(graph)
-    live = peak = 0
-    held = {}
-    for key, n in allocations(graph, nbytes):
-        if n:
-            held[key] = n
-            live += n
-        else:
-            live -= held.pop(key)
-        peak = max(peak, live)
     timeline = simulate(graph, nbytes=nbytes)
-    assert peak == timeline.peak - timeline.static
+    assert live_peak(allocations(graph, nbytes)) == timeline.peak - timeline.static
 
 
 def test_the_emulated_arena_is_the_one_onnxruntime_needs(tmp_path):

@@ -30,7 +30,7 @@ from .cost import CostModel
 from .mxnet import RANDOM, MirrorFunction, mxnet_plan
 from .plan import Plan, Step
 from .simulate import format_bytes
-from .simulate import allocations_of_plan, peak_of_plan, scratch_bytes, view_of_input
+from .simulate import allocations_of_plan, live_peak, peak_of_plan, scratch_bytes, view_of_input
 
 SOLVERS = ("fast", "dp", "exact", "milp")
 # Plans past this many extra forward passes are not chosen by default. Near the floor the solvers can reach a
@@ -403,12 +403,12 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     def held(order: list) -> int:
         """The peak the budget bounds: the live bytes, and with --allocator arena what onnxruntime's arena needs
         (emulated, with ARENA_MARGIN for the emulation's error)."""
-        live = peak_of_plan(graph, order, nbytes)
         if options.allocator != "arena":
-            return live
+            return peak_of_plan(graph, order, nbytes)
         static, events = allocations_of_plan(graph, order, nbytes)
         arena = max(least_limit(events), least_limit(events, max_dead_bytes=SPLIT_ALWAYS))
-        return max(live, static + math.ceil(arena * (1 + ARENA_MARGIN)))
+        # the live bytes from the same events: `peak_of_plan` would build the plan's steps again
+        return static + max(live_peak(events), math.ceil(arena * (1 + ARENA_MARGIN)))
 
     if wanted is not None and wanted >= unmirrored_peak and (
             options.allocator != "arena" or held([n.name for n in graph.nodes]) <= wanted):

@@ -207,6 +207,21 @@ def allocations(graph: Graph, nbytes: dict[int, int]) -> list[tuple[object, int]
     return _events(_steps_of(graph, nbytes), nbytes, kept, static_values)
 
 
+def live_peak(events: list[tuple[object, int]]) -> int:
+    """The most bytes alive at once along `allocations` (or `allocations_of_plan`): the dynamic peak `simulate`
+    gives for the same schedule."""
+    held: dict = {}
+    live = peak = 0
+    for key, n in events:
+        if n:
+            held[key] = n
+            live += n
+            peak = max(peak, live)
+        else:
+            live -= held.pop(key)
+    return peak
+
+
 def _static_and_kept(graph: Graph) -> tuple[set[int], set[int]]:
     """(the values alive for the whole run: graph inputs and initializers, those and the graph outputs: the
     values never freed)."""

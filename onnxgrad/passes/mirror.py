@@ -16,12 +16,12 @@ from ..contract import ALLOCATOR_KEY, BUDGET_KEY, MIRROR_KEY
 from ..errors import UsageError
 from ..memory import plan as plans
 from ..memory import solvers, sweep
-from ..memory.arena import NEXT_POWER_OF_TWO, SPLIT_ALWAYS, STRATEGIES, least_arena
+from ..memory.arena import NEXT_POWER_OF_TWO, SPLIT_ALWAYS, STRATEGIES, least_limit
 from ..memory.budget import (BudgetProblem, MirrorOptions, budget_policy, problem_front, problem_target,
                              recompute_costs)
 from ..memory.cost import CostModel
 from ..memory.mxnet import MirrorFunction, mxnet_plan
-from ..memory.simulate import format_bytes, simulate, sizes
+from ..memory.simulate import allocations, format_bytes, simulate, sizes
 from ..pipeline import Build, Pass
 from ..shapes import type_everything
 from .results import MirrorResult, SweepResult
@@ -76,8 +76,9 @@ class Mirror(Pass):
         # what the process holds when onnxruntime's arena allocates: more than the live bytes. With onnxruntime's
         # default chunk splitting (CUDA's arena, a default CPU session's), and as onnxgrad's CPU sessions configure
         # the arena for a plan made for it (every chunk split: runtime.split_every_chunk)
-        arena = {s: after.static + least_arena(graph, s, after_bytes) for s in STRATEGIES}
-        cpu_arena = after.static + least_arena(graph, NEXT_POWER_OF_TWO, after_bytes, SPLIT_ALWAYS)
+        events = allocations(graph, after_bytes)
+        arena = {s: after.static + least_limit(events, s) for s in STRATEGIES}
+        cpu_arena = after.static + least_limit(events, NEXT_POWER_OF_TWO, max_dead_bytes=SPLIT_ALWAYS)
         plan.predicted = {"peak_bytes": after.peak, "unmirrored_peak_bytes": before.peak,
                           "saved_bytes": sum(b for _, b in after.saved),
                           "unmirrored_saved_bytes": sum(b for _, b in before.saved),
