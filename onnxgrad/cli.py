@@ -881,8 +881,16 @@ def materialize_cmd(model, output, seed, no_calibrate, force):
     click.echo(str(out))
 
 
+# Commands that run graphs in onnxruntime: their process starts again with huge pages for glibc's maps, where that
+# changes something (`runtime.start_with_huge_pages`).
+RUNS_GRAPHS = {"run", "train", "check"}
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    if argv is None and _command(sys.argv[1:]) in RUNS_GRAPHS:
+        from . import runtime
+        runtime.start_with_huge_pages()
     verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
     try:
         cli.main(args=argv, prog_name="onnxgrad", standalone_mode=False)
@@ -907,6 +915,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # a bug: still one line, unless --verbose
         return _internal_error(e, verbose)
+
+
+def _command(args: list[str]) -> str | None:
+    """The subcommand of a command line: its first word that is not one of the group's options."""
+    return next((a for a in args if not a.startswith("-")), None)
 
 
 def _internal_error(e: BaseException, verbose: bool) -> int:

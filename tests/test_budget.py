@@ -530,6 +530,9 @@ def test_an_output_nobody_reads_is_held_to_the_end(tmp_path):
     assert timeline.dynamic_peak == 3 * 4 * n
     measured = measure(path, level="ALL", threads=1, runs=2, allocator="exact")["peak_bytes"]
     assert abs(measured - timeline.dynamic_peak) < 0.05 * timeline.dynamic_peak, measured
+    # memory patterns (off in onnxgrad's sessions) lay the run out in one block: a value more than the live bytes
+    patterns = measure(path, level="ALL", threads=1, runs=2, allocator="patterns")["peak_bytes"]
+    assert patterns > measured + 0.9 * 4 * n, (patterns, measured)
 
 def tied_head(batch: int = 4, tokens: int | None = 256, width: int = 256, vocab: int = 512, layers: int = 4,
               head: str = "MatMul"):
