@@ -27,7 +27,8 @@ plain graph's in the same allocator, and the solver's seconds (the whole mirror 
 (`memory.arena`), and the step graphs of `--train` keep the CPU arena on as onnxgrad's sessions then do; the
 steps are timed against the plain graph's in the arena.
 `--train` also runs each budgeted graph as `onnxgrad train` does (a step graph with SGD from
-`onnxgrad mirror ... --optimizer sgd`, two steps on random data): the process's resident set is read just
+`onnxgrad mirror ... --optimizer sgd`, two steps on random data, started as the command starts, with glibc's
+huge-page tunable where it changes something): the process's resident set is read just
 before its first step and at its end (VmHWM), and the rise is compared with the budget less the static bytes.
 """
 from __future__ import annotations
@@ -110,6 +111,8 @@ TRAIN = r"""
 import json, os, sys, time
 from onnxgrad import cli, runtime
 from onnxgrad.training import StepGraphTrainer
+
+runtime.start_with_huge_pages()  # as the `onnxgrad train` command starts (cli.main with arguments does not)
 
 def status(key):
     for line in open("/proc/self/status"):

@@ -7,9 +7,9 @@ Each round measures every graph once, in the order given, each in a fresh proces
 the optimization level onnxgrad's sessions give the graph) for `--runs` runs, of which the first is dropped (it
 warms the session), once per allocator of `--allocators` (default: exact, onnxgrad's setting for a budgeted
 graph; arena: onnxruntime's CPU arena, a default session's) and, with `--huge-pages`, once per setting of glibc's
-huge-page tunable (off: GLIBC_TUNABLES=glibc.malloc.hugetlb=0; on: =1; without the option, as `memory.measure`
-sets it: on for exact where it changes something, `runtime.huge_pages_env`, as `onnxgrad run`, `train` and
-`check` start). Printed per graph, allocator and setting: the median of its timed runs over all rounds, its
+huge-page tunable (off: GLIBC_TUNABLES=glibc.malloc.hugetlb=0; on: =1, as `onnxgrad run`, `train` and `check`
+start where it changes something, `runtime.huge_pages_env`; without the option, as the environment has it).
+Printed per graph, allocator and setting: the median of its timed runs over all rounds, its
 ratio to the first row's, and the peak (MiB above the session's baseline) of each round.
 """
 from __future__ import annotations

@@ -18,13 +18,14 @@ import sys
 from pathlib import Path
 
 # How the measuring process allocates: "exact" as onnxgrad's sessions run a graph with a budget (the CPU arena
-# off, glibc's mmap threshold fixed: `runtime.follow_live_bytes`, and its maps in huge pages where
-# `runtime.huge_pages_env` gives them); "arena" with onnxruntime's CPU arena on (a
-# session's default, and onnxgrad's for graphs without a budget; for a plan made for the arena, the arena
-# onnxgrad's sessions give it: `runtime.split_every_chunk`) and glibc's default malloc; "glibc" with the
-# arena off and glibc's default malloc (which raises its mmap threshold after large frees, so freed tensors stay
-# resident); "patterns" as "exact" with onnxruntime's memory patterns on (a run's tensors laid out in one block
-# planned from the first run), which onnxgrad's sessions do not use (BENCHMARKS.md, "Huge pages").
+# off, glibc's mmap threshold fixed: `runtime.follow_live_bytes`; its maps in huge pages, as `onnxgrad run`,
+# `train` and `check` start, only where GLIBC_TUNABLES asks for them: they leave the peak as it is but spread a
+# small graph's measurement, 0.94-1.00 of the simulated peak where it is 0.97-1.01 without); "arena" with
+# onnxruntime's CPU arena on (a session's default, and onnxgrad's for graphs without a budget; for a plan made for
+# the arena, the arena onnxgrad's sessions give it: `runtime.split_every_chunk`) and glibc's default malloc;
+# "glibc" with the arena off and glibc's default malloc (which raises its mmap threshold after large frees, so
+# freed tensors stay resident); "patterns" as "exact" with onnxruntime's memory patterns on (a run's tensors laid
+# out in one block planned from the first run), which onnxgrad's sessions do not use (BENCHMARKS.md, "Huge pages").
 ALLOCATORS = ("exact", "arena", "glibc", "patterns")
 
 CHILD = r"""
@@ -87,9 +88,6 @@ def measure(model_path: str | os.PathLike, *, level: str = "BASIC", threads: int
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator {allocator!r}: expected one of {', '.join(ALLOCATORS)}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    if allocator in ("exact", "patterns"):  # as `onnxgrad run`, `train` and `check` run a budgeted graph
-        from .. import runtime
-        env = runtime.huge_pages_env(env) or env
     proc = subprocess.run([sys.executable, "-c", CHILD, str(model_path), level, str(threads), str(runs),
                            json.dumps(dims or {}), allocator], capture_output=True, text=True,
                           env={**env, "OMP_NUM_THREADS": str(threads)})
