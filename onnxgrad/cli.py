@@ -40,6 +40,12 @@ CHECK_EXIT_CODES_HELP = ("Exit codes: 0 every gradient within tolerance, 6 a gra
                          "(e.g. not a training graph), 3 invalid model, 5 report not writable, 70 internal error.")
 TRAIN_EXIT_CODES_HELP = EXIT_CODES_HELP.replace(
     "70 internal", "7 a collective failed (torchrun), 8 the loss or a parameter became NaN or infinite, 70 internal")
+# run, train and check: how they allocate (runtime.session_options, runtime.start_with_huge_pages)
+MEMORY_HELP = ("Memory: a graph that mirror --budget fitted to the live bytes (its default --allocator) runs with "
+               "onnxruntime's CPU arena off and each tensor mapped while it lives, so the process holds what the "
+               "budget counted. On Linux with glibc 2.35 or later and transparent huge pages in madvise mode, the "
+               "command starts again with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, so such maps are faulted in huge "
+               "pages (faster, the same peak); GLIBC_TUNABLES=glibc.malloc.hugetlb=0 keeps them off.")
 REPORT_VERSION = 1
 # budgets above this are refused rather than printed as a size no machine has
 LARGEST_BUDGET = 2**50
@@ -561,7 +567,7 @@ def memory_cmd(graphs, dim, top, plot, report):
 AT_PEAK = {"saved activations": "activations the backward reads (kept or recomputed)"}
 
 
-@cli.command("run", epilog=EXIT_CODES_HELP)
+@cli.command("run", epilog=MEMORY_HELP + "\n\n" + EXIT_CODES_HELP)
 @click.argument("train_model", type=click.Path(path_type=str))
 @click.option("--steps", default=1, show_default=True, type=click.IntRange(1), help="Training steps to run.")
 @click.option("--lr", default=0.1, show_default=True, type=float, help="Learning rate of the plain SGD update.")
@@ -594,7 +600,7 @@ def run_cmd(train_model, steps, lr, data, dim, seed, provider, report):
         save_json(_report("run", {"input": train_model, "steps": history}), report_path)
 
 
-@cli.command("train", epilog=TRAIN_EXIT_CODES_HELP)
+@cli.command("train", epilog=MEMORY_HELP + "\n\n" + TRAIN_EXIT_CODES_HELP)
 @click.argument("step_model", type=click.Path(path_type=str))
 @click.option("--data", required=True, type=click.Path(path_type=str),
               help="An .npz file with one array per data input of the step graph, all with the same first dim.")
@@ -816,7 +822,7 @@ def ops_cmd(markdown, report, force):
     click.echo(text, nl=False)
 
 
-@cli.command("check", epilog=CHECK_EXIT_CODES_HELP)
+@cli.command("check", epilog=MEMORY_HELP + "\n\n" + CHECK_EXIT_CODES_HELP)
 @click.argument("train_model", type=click.Path(path_type=str))
 @click.option("--samples", default=5, show_default=True, type=click.IntRange(0),
               help="Elements checked per parameter, chosen at random (0: every element).")

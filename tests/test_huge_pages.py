@@ -78,3 +78,9 @@ def test_commands_that_run_graphs_start_again(monkeypatch, capsys, args, starts_
     calls.clear()
     assert cli.main(args) == 0  # called with arguments (as a library or a test does): never
     assert calls == []
+
+
+@pytest.mark.parametrize("command", sorted(cli.RUNS_GRAPHS))
+def test_the_help_of_commands_that_start_again_says_how_to_keep_it_off(capsys, command):
+    assert cli.main([command, "--help"]) == 0
+    assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=0" in " ".join(capsys.readouterr().out.split())
