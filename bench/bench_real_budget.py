@@ -164,7 +164,8 @@ PLAN_FOR: list[str] = []  # --plan-for arena: ["--allocator", "arena"], passed t
 
 def least_budget(train: Path, out: Path, report: Path) -> tuple[str | None, float]:
     """The smallest budget the solver meets: the least peak it reports reaching (asked at the floor, read from
-    the report in bytes), raised in 1% steps until a plan fits."""
+    the report in bytes), then, while no plan fits, the least peak the last refusal reports or 1% over the last
+    request, whichever is larger (in the arena the figure depends on the budget asked)."""
     start = time.perf_counter()
 
     def mirror(budget: str) -> tuple[int, dict]:
@@ -178,11 +179,12 @@ def least_budget(train: Path, out: Path, report: Path) -> tuple[str | None, floa
     code, r = mirror(str(floor))
     if code == 0:
         return str(floor), time.perf_counter() - start
-    least = r.get("least_peak_found_bytes") or floor
-    for k in range(0, 8):
-        budget = str(int(least * (1 + 0.01 * k)))
-        if mirror(budget)[0] == 0:
-            return budget, time.perf_counter() - start
+    budget = r.get("least_peak_found_bytes") or floor
+    for _ in range(8):
+        code, r = mirror(str(budget))
+        if code == 0:
+            return str(budget), time.perf_counter() - start
+        budget = max(r.get("least_peak_found_bytes") or 0, int(budget * 1.01))
     return None, time.perf_counter() - start
 
 
