@@ -14,7 +14,8 @@ in its own process:
   vit       ViT-B/16 with 100 classes, batch 4 x 3 x 224 x 224
 (`--batch-scale` multiplies the batch, for a quicker look.) Then, as a user would:
   `onnxgrad build-grad model.onnx -o train.onnx` and, per budget, `onnxgrad mirror train.onnx --budget B -o ...`
-("least": the least peak the solver reports reaching when asked for the floor, raised by 1% steps until it fits).
+("least": the least peak the solver reports reaching when asked for the floor, then the larger of the figure
+each refusal reports and 1% over the last request, until a plan fits).
 Each graph, plain and mirrored, runs in a fresh onnxruntime process (CPU provider, the graph's own order, CSE
 and optimization level as onnxgrad's sessions set them; `memory.measure`) under each allocator:
   exact  the CPU arena off and glibc's mmap threshold fixed: what onnxgrad's sessions use for a budgeted graph
