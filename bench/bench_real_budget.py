@@ -110,10 +110,10 @@ BATCH = {"resnet50": 8, "gpt2": 4, "bert": 8, "vit": 4}
 # onnxruntime's memory patterns on in its sessions (bench_patterns.py)
 TRAIN = r"""
 import json, os, sys, time
+from onnxgrad import hugepages
+hugepages.start_with_huge_pages()  # as the `onnxgrad train` command starts (cli.main with arguments does not)
 from onnxgrad import cli, runtime
 from onnxgrad.training import StepGraphTrainer
-
-runtime.start_with_huge_pages()  # as the `onnxgrad train` command starts (cli.main with arguments does not)
 
 def status(key):
     for line in open("/proc/self/status"):

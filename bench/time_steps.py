@@ -8,7 +8,7 @@ the optimization level onnxgrad's sessions give the graph) for `--runs` runs, of
 warms the session), once per allocator of `--allocators` (default: exact, onnxgrad's setting for a budgeted
 graph; arena: onnxruntime's CPU arena, a default session's) and, with `--huge-pages`, once per setting of glibc's
 huge-page tunable (off: GLIBC_TUNABLES=glibc.malloc.hugetlb=0; on: =1, as `onnxgrad run`, `train` and `check`
-start where it changes something, `runtime.huge_pages_env`; without the option, as the environment has it).
+start where it changes something, `hugepages.huge_pages_env`; without the option, as the environment has it).
 Printed per graph, allocator and setting: the median of its timed runs over all rounds, its
 ratio to the first row's, and the peak (MiB above the session's baseline) of each round.
 """
@@ -42,21 +42,17 @@ def main() -> None:
     rows = [(g, a, p) for g in args.graphs for a in args.allocators.split(",") for p in pages]
     times: dict[tuple[str, str, str], list[float]] = {row: [] for row in rows}
     peaks: dict[tuple[str, str, str], list[int]] = {row: [] for row in rows}
-    saved = os.environ.pop("GLIBC_TUNABLES", None)
+    saved = os.environ.get("GLIBC_TUNABLES")  # `memory.measure` passes it on to its child
     try:
         for _ in range(args.rounds):
             for row in rows:
                 g, a, p = row
-                os.environ.pop("GLIBC_TUNABLES", None)
-                if p:
-                    os.environ["GLIBC_TUNABLES"] = TUNABLE[p]
+                _set_tunables(TUNABLE[p] if p else saved)
                 m = measure(g, level="GRAPH", threads=args.threads, runs=args.runs, allocator=a)
                 times[row] += m["seconds"][1:]
                 peaks[row].append(m["peak_bytes"])
     finally:
-        os.environ.pop("GLIBC_TUNABLES", None)
-        if saved is not None:
-            os.environ["GLIBC_TUNABLES"] = saved
+        _set_tunables(saved)
     first = statistics.median(times[rows[0]])
     print("| graph | allocator | huge pages | median s | x the first | runs | peak MiB |")
     print("|---|---|---|---|---|---|---|")
@@ -65,6 +61,13 @@ def main() -> None:
         median = statistics.median(times[row])
         print(f"| {os.path.basename(g)} | {a} | {p or 'as set'} | {median:.2f} | {median / first:.2f} | "
               f"{', '.join(f'{t:.2f}' for t in times[row])} | {', '.join(f'{b / 2**20:.0f}' for b in peaks[row])} |")
+
+
+def _set_tunables(value: str | None) -> None:
+    if value is None:
+        os.environ.pop("GLIBC_TUNABLES", None)
+    else:
+        os.environ["GLIBC_TUNABLES"] = value
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ CHECK_EXIT_CODES_HELP = ("Exit codes: 0 every gradient within tolerance, 6 a gra
                          "(e.g. not a training graph), 3 invalid model, 5 report not writable, 70 internal error.")
 TRAIN_EXIT_CODES_HELP = EXIT_CODES_HELP.replace(
     "70 internal", "7 a collective failed (torchrun), 8 the loss or a parameter became NaN or infinite, 70 internal")
-# run, train and check: how they allocate (runtime.session_options, runtime.start_with_huge_pages)
+# run, train and check: how they allocate (runtime.session_options, hugepages.start_with_huge_pages)
 MEMORY_HELP = ("Memory: a graph that mirror --budget fitted to the live bytes (its default --allocator) runs with "
                "onnxruntime's CPU arena off and each tensor mapped while it lives, so the process holds what the "
                "budget counted. On Linux with glibc 2.35 or later and transparent huge pages in madvise mode, the "
@@ -888,15 +888,15 @@ def materialize_cmd(model, output, seed, no_calibrate, force):
 
 
 # Commands that run graphs in onnxruntime: their process starts again with huge pages for glibc's maps, where that
-# changes something (`runtime.start_with_huge_pages`).
+# changes something (`hugepages.start_with_huge_pages`).
 RUNS_GRAPHS = {"run", "train", "check"}
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYTHONHASHSEED", "0")
     if argv is None and _command(sys.argv[1:]) in RUNS_GRAPHS:
-        from . import runtime
-        runtime.start_with_huge_pages()
+        from . import hugepages
+        hugepages.start_with_huge_pages()
     verbose = "-v" in (argv or sys.argv[1:]) or "--verbose" in (argv or sys.argv[1:])
     try:
         cli.main(args=argv, prog_name="onnxgrad", standalone_mode=False)
