@@ -8,9 +8,9 @@ contract.RUNTIME_HINTS), the CPU arena and memory patterns off:
   measured, a 32 MiB output no node read stayed mapped through the nodes after it);
 - while a node runs, its inputs and its outputs are alive together, so the peak is taken during each node.
 - some kernels take working memory of their own while they run (`scratch_bytes`, measured on onnxruntime's
-  CPU kernels): Where selects into two output-sized buffers before it merges them, and ConvTranspose unfolds
-  each image into a column buffer. A loop's is its body's peak; a Loop also keeps every iteration's scan outputs
-  and concatenates them after its last iteration (`loop_bytes`).
+  CPU kernels): Where selects into two output-sized buffers, taken before its output, then merges them into it;
+  ConvTranspose unfolds each image into a column buffer. A loop's is its body's peak; a Loop also keeps every
+  iteration's scan outputs and concatenates them after its last iteration (`loop_bytes`).
 The view ops (Reshape, Flatten, Squeeze, Unsqueeze) share their input's buffer, except into a graph output, which
 gets a buffer of its own; so do the nodes onnxruntime's basic optimizations remove (Identity, a Cast to the type
 its input has). onnxruntime also runs some nodes in place, writing the output over input 0 when the node is that
@@ -104,6 +104,16 @@ def _all_values(graph: Graph):
 
 
 ALIASES = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})  # output shares input 0's buffer
+# written over input 0 when the node is that buffer's last reader (bench/bench_inplace.py)
+IN_PLACE = frozenset({"Softmax", "LogSoftmax", "Tanh", "Relu", "Sigmoid", "LeakyRelu", "Elu", "Softplus",
+                      "HardSigmoid", "ScatterElements"})
+
+
+def in_place_candidate(node: Node, outputs: set[int]) -> bool:
+    """Whether onnxruntime may write the node's output over its input 0 (`IN_PLACE`; not into a graph output)."""
+    return (node.op_type in IN_PLACE and node.domain in ("", "ai.onnx") and bool(node.inputs)
+            and node.inputs[0] is not None and bool(node.outputs) and bool(node.outputs[0].name)
+            and id(node.outputs[0]) not in outputs)
 
 
 def shares_buffer(node: Node) -> bool:
@@ -199,12 +209,17 @@ def _steps_of(graph: Graph, nbytes: dict[int, int]):
 
 
 def allocations(graph: Graph, nbytes: dict[int, int]) -> list[tuple[object, int]]:
-    """The schedule's allocations and frees in the order `simulate` counts them, as (key, bytes) for an allocation
-    and (key, 0) for the free of that key's buffer: each node's outputs (not the views that share a buffer), its
-    working memory (freed as it ends), then the buffers whose last reader it was. Initializers, graph inputs and
-    empty tensors are never allocated here; graph outputs and outputs nobody reads are never freed."""
+    """The schedule's allocations and frees as onnxruntime makes them, as (key, bytes) for an allocation and
+    (key, 0) for the free of that key's buffer: each node's outputs (not the views that share a buffer), its
+    working memory (freed as it ends; a `Working` kernel's comes before its outputs), then the buffers whose last
+    reader it was. Initializers, graph inputs and empty tensors are never allocated here; graph outputs and
+    outputs nobody reads are never freed. Unlike `simulate`, an `IN_PLACE` node that is the last reader of its
+    input's buffer writes over it, as onnxruntime runs it: no new buffer. That changes the live bytes only while
+    such a node runs, but where the next buffers go in an arena (bench/bench_arena.py)."""
     static_values, kept = _static_and_kept(graph)
-    return _events(_steps_of(graph, nbytes), nbytes, kept, static_values)
+    outputs = {id(v) for v in graph.outputs}
+    in_place = {k for k, n in enumerate(graph.nodes) if in_place_candidate(n, outputs)}
+    return _events(_steps_of(graph, nbytes), nbytes, kept, static_values, in_place)
 
 
 def live_peak(events: list[tuple[object, int]]) -> int:
@@ -248,12 +263,39 @@ def _frees(steps, kept, buffers: _Buffers) -> tuple[dict, dict[int, list]]:
     return last, frees
 
 
-def _events(steps, size, kept, static) -> list[tuple[object, int]]:
+def _written_in_place(steps, kept, static, in_place: set[int]):
+    """`steps` with each in-place candidate (step numbers `in_place`) that is the last reader of its input 0's
+    buffer, which is no kept or static value, writing over that buffer (an alias of it)."""
+    if not in_place:
+        return steps
+    buffers = _Buffers()
+    last, _ = _frees(steps, kept, buffers)
+    kept_roots = {buffers.find(key) for key in kept} | {buffers.find(key) for key in static}
+    out = list(steps)
+    for k in sorted(in_place):
+        reads, writes, aliased, scratch = out[k]
+        if not reads or not writes or writes[0] in aliased:
+            continue
+        source = buffers.find(reads[0])
+        if source in kept_roots or last.get(source) != k:
+            continue
+        out[k] = (reads, writes, {**aliased, writes[0]: reads[0]}, scratch)
+        buffers.root[writes[0]] = source
+        last[source] = max(k, last.get(writes[0], k))
+    return out
+
+
+def _events(steps, size, kept, static, in_place: set[int] = frozenset()) -> list[tuple[object, int]]:
+    steps = _written_in_place(steps, kept, static, in_place)
     _, frees = _frees(steps, kept, _Buffers())
     out: list[tuple[object, int]] = []
     for k, (_, writes, aliased, scratch) in enumerate(steps):
+        before = scratch.parts if isinstance(scratch, Working) else ()
+        out += [(("scratch", k, i), b) for i, b in enumerate(before)]
         out += [(w, size[w]) for w in writes if w not in aliased and w not in static and size[w]]
-        if scratch:
+        if before:
+            out += [(("scratch", k, i), 0) for i in reversed(range(len(before)))]
+        elif scratch:
             out += [(("scratch", k), scratch), (("scratch", k), 0)]
         out += [(w, 0) for w in frees.get(k, ()) if size[w]]
     return out
@@ -275,14 +317,28 @@ def simulate(graph: Graph, dims: dict[str, int] | None = None, nbytes: dict[int,
                     graph.nodes[peak_index].name if graph.nodes else "", at_peak, saved)
 
 
+class Working(int):
+    """Working memory a kernel takes as buffers of its own before it allocates its outputs, freed the last first
+    once it has written them; as an int, their total."""
+
+    parts: tuple[int, ...]
+
+    def __new__(cls, parts: tuple[int, ...]):
+        working = super().__new__(cls, sum(parts))
+        working.parts = tuple(parts)
+        return working
+
+
 def scratch_bytes(node: Node, nbytes: dict[int, int]) -> int:
     """Working memory an onnxruntime CPU kernel allocates for itself while it runs (measured with
-    `memory.measure` on single nodes): Where writes both selections into output-sized buffers before merging
-    them; ConvTranspose unfolds each image into a (C_out/group * kernel) x (input positions) column buffer."""
+    `memory.measure` on single nodes): Where writes both selections into output-sized buffers before it allocates
+    its output and merges them into it (`Working`: the order matters to an arena, bench/bench_arena.py);
+    ConvTranspose unfolds each image into a (C_out/group * kernel) x (input positions) column buffer."""
     if node.domain not in ("", "ai.onnx"):
         return 0
     if node.op_type == "Where" and node.outputs[0].name:
-        return 2 * nbytes[id(node.outputs[0])]
+        selection = nbytes[id(node.outputs[0])]
+        return Working((selection, selection)) if selection else 0
     if node.op_type in ("Loop", "Scan"):
         return loop_bytes(node, nbytes)
     if node.op_type == "ConvTranspose":
@@ -445,7 +501,11 @@ def allocations_of_plan(graph: Graph, order: list, nbytes: dict[int, int]) -> tu
     """(static bytes, `allocations`) of the graph after `plan.apply(graph, Plan(order=order))`, without changing
     the graph."""
     steps, size, kept, static, statics = _plan_steps(graph, order, nbytes)
-    return static, _events(steps, size, kept, statics)
+    by_name = {n.name: n for n in graph.nodes}
+    outputs = {id(v) for v in graph.outputs}
+    in_place = {k for k, step in enumerate(order)
+                if in_place_candidate(by_name[step[0] if isinstance(step, tuple) else step], outputs)}
+    return static, _events(steps, size, kept, statics, in_place)
 
 
 def _plan_steps(graph: Graph, order: list, nbytes: dict[int, int]):
