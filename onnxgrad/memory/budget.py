@@ -25,7 +25,7 @@ from ..contract import BACKWARD, FORWARD, RECOMPUTE
 from ..errors import UsageError
 from ..ir import Graph, Node
 from . import solvers
-from .arena import SPLIT_ALWAYS, least_limit
+from .arena import SPLIT_ALWAYS, least_limit, runs_within
 from .cost import CostModel
 from .mxnet import RANDOM, MirrorFunction, mxnet_plan
 from .plan import Plan, Step
@@ -46,6 +46,9 @@ ALLOCATORS = ("exact", "arena")
 # emulation of it alone let a ResNet-50 plan reach 1.03 of its budget). Against the CPU provider's arena the
 # default rule's emulation erred from -5.4% (ResNet-50's 0.7x plan) to +3% (bench/bench_arena.py, BENCHMARKS.md).
 ARENA_MARGIN = 0.06
+# --allocator arena: the most schedules of the front whose need in the arena is emulated for one budget (0.3-0.6 s
+# each on ResNet-50, whose front has 22 staged and 22 pruned)
+ARENA_EVALUATIONS = 64
 COSTS = ("model", "prices", "profile")
 # Schedule steps per problem op, and at least the search's own work, that the fast solver spends pruning its
 # front (`solvers.prune`). On ResNet-50 (training sizes) it takes a 33-pass plan at the floor to 1.5 passes, so the
@@ -410,6 +413,14 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
         # the live bytes from the same events: `peak_of_plan` would build the plan's steps again
         return static + max(live_peak(events), math.ceil(arena * (1 + ARENA_MARGIN)))
 
+    def fits(order: list, budget: int) -> bool:
+        """Whether `held(order) <= budget` with --allocator arena, by running the emulated arena once under the
+        limit the budget leaves it (each chunk rule) instead of searching for the least limit."""
+        static, events = allocations_of_plan(graph, order, nbytes)
+        room = math.floor((budget - static) / (1 + ARENA_MARGIN))
+        return (static + live_peak(events) <= budget and room > 0 and runs_within(events, room)
+                and runs_within(events, room, max_dead_bytes=SPLIT_ALWAYS))
+
     if wanted is not None and wanted >= unmirrored_peak and (
             options.allocator != "arena" or held([n.name for n in graph.nodes]) <= wanted):
         # nothing to recompute: answered at once, without a search (and before the floor, which counts the
@@ -430,8 +441,11 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     found = front.least_peak
     solution = plan = None
     peak = least_written = None
+    walked = options.allocator == "arena" and options.solver == "fast" and front.staged is not None
+    if walked:
+        solution, plan, peak, least_written = _arena_choice(bp, front, wanted, target, held, fits)
     # the arena's need falls more slowly than the live bytes as the plan recomputes more: more rounds for it
-    for _ in range(8 if options.allocator == "arena" else 4):
+    for _ in range(0 if walked else 8 if options.allocator == "arena" else 4):
         solution = _choose(bp, front, options, target, limits)
         if solution is not None and solution.extra_cost > max_extra:
             solution = None  # an exact solver's optimum past the cap
@@ -478,7 +492,7 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
                                    "mxnet (the cheapest plan that fits)", None, "heuristic")
         plan, peak = Plan("budget", mxnet.order, mxnet.reasons), mxnet_peak
     if solution is None:
-        if options.allocator == "arena" and front.least_peak is not None:
+        if options.allocator == "arena" and front.least_peak is not None and not walked:
             # the least plan's peak in the arena, which the message and the report give
             least_written = held(bp.plan(front.best_under(front.least_peak), "budget").order)
         if least_written is not None:
@@ -489,6 +503,52 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     # the bound at the problem's budget (auto: at the peak chosen, which the problem measures unless MXNet's plan won)
     problem_budget = target if target is not None else (None if better else solution.peak)
     return _result(plan, report(solution, peak, found, problem_budget))
+
+
+def _arena_choice(bp: BudgetProblem, front: solvers.Front, wanted: int, target: int, held, fits
+                  ) -> tuple[solvers.Solution | None, Plan | None, int | None, int | None]:
+    """`--allocator arena` with the fast solver: (solution, plan, peak, None) for the cheapest schedule of the
+    front, as staged or pruned, whose need in the arena (`held`) fits `wanted`; else (None, None, None, the least
+    budget a staged schedule meets). The arena's need is far from monotonic in the live peak (ResNet-50's dynamo
+    export: 392.5 MiB at the least live peak, 444.6 at the next, 418.2 at the two after), so each schedule is
+    weighed, the cheapest first, up to `ARENA_EVALUATIONS` of them (`fits`: one run of the emulated arena under
+    the budget; `held`, the least limit, only for the one chosen). The least budget is taken over the staged
+    schedules alone, which do not depend on the budget asked (the pruning does): asked for it, the same command
+    meets it."""
+    offset = target - wanted  # the problem's bytes over the graph's (its Constant nodes)
+    candidates = {(c.cost, c.peak, c.plan, c.schedule or ()): c for c in front.staged + front.points}
+    weighed = 0
+    for c in sorted(candidates.values(), key=lambda c: (c.cost, c.peak)):
+        if c.peak > target:
+            continue  # the arena holds at least the live bytes
+        if weighed == ARENA_EVALUATIONS:
+            break
+        weighed += 1
+        solution = front.solution(c)
+        plan = bp.plan(solution, "budget")
+        if not fits(plan.order, wanted):
+            continue
+        peak = held(plan.order)
+        if peak > wanted:
+            continue  # the least limit's search passed a limit the arena runs under
+        tidied = bp.tidy(solution)
+        if tidied is not solution:
+            tidy_plan = bp.plan(tidied, "budget")
+            tidy_peak = held(tidy_plan.order)
+            if tidy_peak <= wanted:
+                return tidied, tidy_plan, tidy_peak, None
+        return solution, plan, peak, None
+    least = None
+    for c in sorted(front.staged, key=lambda c: (c.peak, c.cost))[:ARENA_EVALUATIONS]:
+        if least is not None and c.peak - offset > least:
+            break
+        order = bp.plan(front.solution(c), "budget").order
+        if least is not None and not fits(order, least - 1):
+            continue
+        # a budget under which this schedule's live peak also passes the first test above
+        need = max(held(order), c.peak - offset)
+        least = need if least is None else min(least, need)
+    return None, None, None, least
 
 
 def _result(plan: Plan, report: BudgetReport) -> BudgetResult:

@@ -283,14 +283,14 @@ def fast_front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 12
             _perturbed_search(problem, pool)
     except OutOfWork:
         pass
-    points = pool.candidates()
+    points = staged = pool.candidates()
     if small and prune_work > 0:
         if prune_below is None:
             order = points
         else:
             order = sorted((c for c in points if c.peak <= prune_below), key=lambda c: (-c.peak, c.cost))
         points = pareto(points + _pruned(problem, order, prune_work))
-    return Front(problem, points, "fast", pool.evaluations)
+    return Front(problem, points, "fast", pool.evaluations, staged)
 
 
 def _pruned(problem: Problem, points: list[Candidate], work: int) -> list[Candidate]:

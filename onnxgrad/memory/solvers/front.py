@@ -113,6 +113,8 @@ class Front:
     points: list[Candidate]
     solver: str
     evaluations: int = 0
+    # the fast solver's front before it pruned toward a budget: the same whatever the budget
+    staged: list[Candidate] | None = None
 
     def solutions(self) -> list[Solution]:
         return [self.solution(c) for c in self.points]
@@ -130,7 +132,10 @@ class Front:
         base = self.problem.baseline_cost
         limit = max_extra_cost + 1e-9 * (1 + abs(base))
         points = [c for c in self.points if c.cost - base <= limit]
-        return self if len(points) == len(self.points) else Front(self.problem, points, self.solver, self.evaluations)
+        staged = None if self.staged is None else [c for c in self.staged if c.cost - base <= limit]
+        if len(points) == len(self.points) and (staged is None or len(staged) == len(self.staged)):
+            return self
+        return Front(self.problem, points, self.solver, self.evaluations, staged)
 
     def best_under(self, budget: int) -> Solution | None:
         """The cheapest schedule whose peak fits `budget`."""
