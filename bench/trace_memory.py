@@ -1,6 +1,6 @@
 """Where onnxruntime's memory parts from the simulation: the bytes alive while each node runs, measured.
 
-    .venv/bin/python bench/trace_memory.py MODEL [--threads 2] [--over 3] [--keep DIR]
+    .venv/bin/python bench/trace_memory.py MODEL [--threads 2] [--over 3] [--keep DIR] [--arena]
 
 The graph runs three times in a child process with the allocator onnxgrad's budgeted sessions use (the CPU arena
 off, glibc's mmap threshold fixed at 64 KiB, `runtime.follow_live_bytes`), so every tensor of 64 KiB or more is
@@ -14,6 +14,9 @@ it, the largest number of mapped bytes while it ran, over those mapped before th
   where the two part, and what ran there.
 Nodes onnxruntime runs in place (activations, `bench_inplace.py`) show as measured below simulated. Small
 nodes that read no large value may run early; their simulated figure belongs to their place in the file.
+With `--arena`, the least limit of onnxruntime's arena as `memory.arena` emulates it, for the third run's own
+maps and for the simulator's allocations: where the two part, the simulator's allocations differ from
+onnxruntime's (the emulation itself follows the arena: bench/bench_arena.py).
 Needs strace (Linux).
 """
 from __future__ import annotations
@@ -39,6 +42,7 @@ from onnxgrad.protos import random_feeds
 path, prefix, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
 model = onnx.load(path)
 runtime.follow_live_bytes()
+runtime.split_every_chunk = lambda so: None  # a plan made for the arena runs with the arena off here too
 so, extra = runtime.session_options(model, threads)
 so.enable_cpu_mem_arena = False
 so.enable_mem_pattern = False
@@ -93,12 +97,47 @@ def mapped_bytes(strace: Path) -> tuple[list[float], list[int]]:
     return times, totals
 
 
+def allocations_traced(strace: Path, start: float, end: float) -> list[tuple[int, int]]:
+    """The maps and unmaps of 64 KiB or more between `start` and `end`, as `memory.simulate.allocations` gives
+    events: (address, bytes) for a map, less glibc's page of header and rounding, and (address, 0) for its unmap."""
+    held: set[int] = set()
+    pending: dict[str, str] = {}
+    events = []
+    for line in strace.read_text().splitlines():
+        m = LINE.match(line)
+        if not m:
+            continue
+        pid, t, call = m.group(1), float(m.group(2)), m.group(3)
+        if call.endswith("<unfinished ...>"):
+            pending[pid] = call[: -len("<unfinished ...>")]
+            continue
+        resumed = RESUMED.match(call)
+        if resumed:
+            call = pending.pop(pid, "") + resumed.group(1)
+        if not start <= t <= end:
+            continue
+        if call.startswith("mmap(") and "MAP_ANONYMOUS" in call and "PROT_READ|PROT_WRITE" in call:
+            size, result = int(call.split(",")[1]), call.rsplit("=", 1)[1].strip()
+            if result.startswith("0x") and size >= 65536:
+                held.add(int(result, 16))
+                events.append((int(result, 16), size - 4096))
+        elif call.startswith("munmap("):
+            address = int(call[len("munmap("):].split(",")[0], 16)
+            if address in held:
+                held.discard(address)
+                events.append((address, 0))
+    return events
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--over", type=float, default=3.0, help="MiB: print where measured - simulated moves this much")
     ap.add_argument("--keep", default=None, help="keep the strace log and the profile here")
+    ap.add_argument("--arena", action="store_true",
+                    help="also the least arena (memory.arena, every chunk split and onnxruntime's default rule) "
+                         "for the third run's own allocations, against the same for the simulator's")
     args = ap.parse_args()
     if not shutil.which("strace"):
         sys.exit("trace_memory: strace is not installed")
@@ -135,6 +174,14 @@ def main() -> None:
     peak = mapped_during(run["start"], run["end"]) - before
     print(f"{Path(args.model).name}: measured dynamic peak {peak / mib:.1f} MiB, simulated "
           f"{timeline.dynamic_peak / mib:.1f} MiB (at {timeline.peak_node}); {len(nodes)} nodes ran")
+    if args.arena:
+        from onnxgrad.memory.arena import MAX_DEAD_BYTES, SPLIT_ALWAYS, least_limit
+        traced = allocations_traced(log, run["start"], run["end"])
+        simulated_events = simulate.allocations(graph, simulate.sizes(graph))
+        for name, dead in (("every chunk split", SPLIT_ALWAYS), ("onnxruntime's default rule", MAX_DEAD_BYTES)):
+            print(f"least arena, {name}: {least_limit(traced, max_dead_bytes=dead) / mib:.1f} MiB for the traced "
+                  f"allocations of 64 KiB or more, {least_limit(simulated_events, max_dead_bytes=dead) / mib:.1f} "
+                  f"MiB for the simulator's (memory.simulate.allocations)")
     rows = []
     for k, e in enumerate(nodes):
         name = e["name"][: -len("_kernel_time")]
