@@ -10,9 +10,12 @@ limit cannot serve fails ("Available memory of ... is smaller than requested byt
 the peak of live bytes: free chunks too small for the next request, or in another region, are held while a new
 region is added.
 
-`least_arena` is the least limit under which the schedule of `simulate.allocations` runs. Measured against the
-CPU provider's arena (bench/bench_arena.py), with kNextPowerOfTwo it is within -5% to +3% of the least limit under
-which onnxruntime ran ResNet-50, GPT-2 small, ViT-B/16 and the shipped CNN, and 11.5% low on BERT-base. With
+`least_arena` is the least limit under which the schedule of `simulate.allocations` runs: onnxruntime's own
+allocations, as far as they are modelled (a Where's selection buffers before its output, an activation written
+over the input it reads last). Measured against the CPU provider's arena (bench/bench_arena.py), with every chunk
+split it is within -3.6% to +0.5% of the least limit under which onnxruntime ran ResNet-50's plans, -0.5% on
+GPT-2 small's, and 9.9% high on BERT-base's, whose forward MatMuls onnxruntime fuses with their bias and scale;
+bench/trace_memory.py --arena sets it beside the same emulation of onnxruntime's own traced allocations. With
 kSameAsRequested, whose many regions make it depend on every small request: from -12% (GPT-2) to +9%.
 
 By default the arena leaves a chunk whole when it is less than twice the request and the rest is under 128 MiB,

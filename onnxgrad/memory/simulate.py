@@ -16,8 +16,8 @@ gets a buffer of its own; so do the nodes onnxruntime's basic optimizations remo
 its input has). onnxruntime also runs some nodes in place, writing the output over input 0 when the node is that
 buffer's last reader and the output is no graph output: the activations (Softmax, LogSoftmax, Tanh, Relu,
 Sigmoid, LeakyRelu, Elu, Softplus, HardSigmoid) and ScatterElements, not Gelu, Erf, Exp, Neg, the binary
-arithmetic ops or ScatterND (measured: bench/bench_inplace.py). That is not modelled, so the simulation errs on the
-high side while such a node runs.
+arithmetic ops or ScatterND (measured: bench/bench_inplace.py). The live bytes do not count it, so they err on the
+high side while such a node runs; `allocations`, which the arena's emulation reads, makes no buffer for it.
 
 Bytes need every shape known: symbolic dimensions are bound by `dims` (the `--dim` values).
 """
