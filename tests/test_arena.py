@@ -271,3 +271,35 @@ def test_the_least_arena_budget_a_refusal_gives_is_met_when_asked():
     report = onnxgrad.build(model, dims=dims, mirror="budget",
                             mirror_options={**options, "budget": str(least)}).report["mirror"]
     assert report["fits"] and report["predicted_peak_bytes"] <= least
+
+
+def test_a_matmul_fused_with_its_bias_or_scale_makes_no_buffer(tmp_path):
+    """onnxruntime fuses a MatMul of a 2-D weight into the bias Add or the constant scale that alone reads it
+    (MatMulAddFusion, MatMulScaleFusion), so its output is never allocated; read by another node too, it is."""
+    from onnx import TensorProto, helper, numpy_helper
+    import numpy as np
+    shape = [1024, 1024]
+
+    def allocated(nodes):
+        graph = helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
+                         helper.make_tensor_value_info("w", TensorProto.FLOAT, shape),
+                         helper.make_tensor_value_info("b", TensorProto.FLOAT, [1024])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)],
+            [numpy_helper.from_array(np.array(0.125, dtype=np.float32), "scale")])
+        path = tmp_path / "m.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+        g = load_graph(str(path))
+        names = {id(v): v.name for n in g.nodes for v in n.outputs}
+        return [names[key] for key, n in allocations(g, sizes(g)) if n]
+
+    matmul = helper.make_node("MatMul", ["x", "w"], ["m"])
+    assert allocated([matmul, helper.make_node("Add", ["m", "b"], ["a"]), helper.make_node("Neg", ["a"], ["y"])]) \
+        == ["a", "y"]
+    assert allocated([matmul, helper.make_node("Mul", ["m", "scale"], ["s"]), helper.make_node("Neg", ["s"], ["y"])]) \
+        == ["s", "y"]
+    # a second reader, or an Add of two full tensors: the MatMul's output is made
+    assert allocated([matmul, helper.make_node("Add", ["m", "b"], ["a"]), helper.make_node("Add", ["a", "m"], ["y"])]) \
+        == ["m", "a", "y"]
+    assert allocated([matmul, helper.make_node("Add", ["m", "x"], ["a"]), helper.make_node("Neg", ["a"], ["y"])]) \
+        == ["m", "a", "y"]

@@ -444,7 +444,8 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     found = front.least_peak
     solution = plan = None
     peak = least_written = None
-    walked = options.allocator == "arena" and options.solver == "fast" and front.staged is not None
+    walked = (options.allocator == "arena" and options.solver == "fast" and front.staged is not None
+              and wanted is not None)
     if walked:
         solution, plan, peak, least_written = _arena_choice(bp, front, wanted, target, held, fits)
     # the arena's need falls more slowly than the live bytes as the plan recomputes more: more rounds for it
