@@ -8,7 +8,7 @@ import pytest
 from onnxgrad.api import build_gradient, load_graph
 
 from onnxgrad.memory.arena import (MAX_DEAD_BYTES, NEXT_POWER_OF_TWO, SAME_AS_REQUESTED, SPLIT_ALWAYS, Arena,
-                                   OutOfArena, least_arena, runs_within)
+                                   OutOfArena, least_arena, least_limit, runs_within)
 from onnxgrad.memory.measure import runs_in_arena
 from onnxgrad.memory.simulate import allocations, live_peak, simulate, sizes
 
@@ -303,3 +303,33 @@ def test_a_matmul_fused_with_its_bias_or_scale_makes_no_buffer(tmp_path):
         == ["m", "a", "y"]
     assert allocated([matmul, helper.make_node("Add", ["m", "x"], ["a"]), helper.make_node("Neg", ["a"], ["y"])]) \
         == ["m", "a", "y"]
+
+
+def test_a_plans_allocations_are_those_of_the_graph_it_writes():
+    """`allocations_of_plan`, which `mirror --allocator arena` weighs every schedule by, gives the arena of the graph
+    the plan writes, in-place activations and fused MatMuls included (a copy of the Add that reads a MatMul's
+    first run gives it a second reader: onnxruntime then makes its output)."""
+    import onnxgrad
+    from onnxgrad.builder import Names
+    from onnxgrad.memory import plan as plans, solvers
+    from onnxgrad.memory.budget import BudgetProblem
+    from onnxgrad.memory.cost import CostModel
+    from onnxgrad.memory.simulate import allocations_of_plan
+    from onnxgrad.shapes import type_everything
+    model = onnxgrad.build_gradient(str(MODELS / "transformer.onnx"), dims={"N": 1024})
+    graph = load_graph(model)
+    type_everything(graph)
+    nbytes = sizes(graph)
+    bp = BudgetProblem(graph, nbytes, CostModel(), set())
+    front = solvers.front(bp.problem)
+    assert len(front.points) > 3
+    for c in front.points:
+        plan = bp.plan(front.solution(c), "budget")
+        static, events = allocations_of_plan(graph, plan.order, nbytes)
+        written = load_graph(model)
+        type_everything(written)
+        plans.apply(written, plan, Names([*written.values, *(n.name for n in written.nodes)]))
+        applied = allocations(written, sizes(written))
+        assert live_peak(events) == live_peak(applied)
+        for dead in (MAX_DEAD_BYTES, SPLIT_ALWAYS):
+            assert least_limit(events, max_dead_bytes=dead) == least_limit(applied, max_dead_bytes=dead)

@@ -536,7 +536,14 @@ def allocations_of_plan(graph: Graph, order: list, nbytes: dict[int, int]) -> tu
     nodes = [by_name[step[0] if isinstance(step, tuple) else step] for step in order]
     constants = set(graph.initializers)
     in_place = {k for k, node in enumerate(nodes) if in_place_candidate(node, outputs)}
-    fused = {k for k, node in enumerate(nodes) if fused_into_reader(node, outputs, constants)}
+    readers: dict = {}
+    for reads, _, _, _ in steps:
+        for r in set(reads):
+            readers[r] = readers.get(r, 0) + 1
+    # fused where the written graph's MatMul has one reader too: a copy of the Add that reads the MatMul's first
+    # run gives that a second reader
+    fused = {k for k, node in enumerate(nodes)
+             if fused_into_reader(node, outputs, constants) and steps[k][1] and readers.get(steps[k][1][0]) == 1}
     return static, _events(steps, size, kept, statics, in_place, fused)
 
 
