@@ -12,11 +12,11 @@ region is added.
 
 `least_arena` is the least limit under which the schedule of `simulate.allocations` runs: onnxruntime's own
 allocations, as far as they are modelled (a Where's selection buffers before its output, an activation written
-over the input it reads last). Measured against the CPU provider's arena (bench/bench_arena.py), with every chunk
-split it is within -3.6% to +0.5% of the least limit under which onnxruntime ran ResNet-50's plans, -0.5% on
-GPT-2 small's, and 9.9% high on BERT-base's, whose forward MatMuls onnxruntime fuses with their bias and scale;
-bench/trace_memory.py --arena sets it beside the same emulation of onnxruntime's own traced allocations. With
-kSameAsRequested, whose many regions make it depend on every small request: from -12% (GPT-2) to +9%.
+over the input it reads last, no buffer for a MatMul fused with its bias or scale). Measured against the CPU
+provider's arena (bench/bench_arena.py), with every chunk split it is within -3.6% to +0.5% of the least limit
+under which onnxruntime ran plans of ResNet-50, GPT-2 small and BERT-base; bench/trace_memory.py --arena sets it
+beside the same emulation of onnxruntime's own traced allocations. With kSameAsRequested, whose many regions make
+it depend on every small request: from -12% (GPT-2) to +9%.
 
 By default the arena leaves a chunk whole when it is less than twice the request and the rest is under 128 MiB,
 so up to half a chunk lies unused while it is held. onnxgrad's CPU sessions give a plan made for the arena

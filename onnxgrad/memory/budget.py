@@ -44,10 +44,10 @@ ALLOCATORS = ("exact", "arena")
 # against the budget; the plan must fit it with chunks split by onnxruntime's default rule (CUDA's arena) and with
 # every chunk split (the one onnxgrad's CPU sessions give such a plan: it held 3-11% less on most plans, but an
 # emulation of it alone let a ResNet-50 plan reach 1.03 of its budget). Against the CPU provider's arena the
-# emulated least limit errs from -3.6% to +0.5% on ResNet-50's plans (+10% on BERT-base's 0.9x plan, where
-# onnxruntime fuses the forward pass's MatMul and Add), and what a CPU process holds without a limit is more than
-# the least limit: 1.088x on ResNet-50's dynamo export at its least arena budget with every chunk split, 1.023x
-# with the default rule (bench/bench_arena.py --resident, BENCHMARKS.md).
+# emulated least limit errs from -3.6% to +0.5% on plans of ResNet-50, GPT-2 and BERT-base, and what a CPU
+# process holds without a limit is more than the least limit: 1.088x on ResNet-50's dynamo export at its least
+# arena budget with every chunk split, 1.023x with the default rule (bench/bench_arena.py --resident,
+# BENCHMARKS.md).
 ARENA_MARGIN = 0.10
 # --allocator arena: the most schedules of the front whose need in the arena is emulated for one budget (0.3-0.6 s
 # each on ResNet-50, whose front has 22 staged and 22 pruned)
