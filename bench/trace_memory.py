@@ -63,11 +63,11 @@ LINE = re.compile(r"^(\d+)\s+([\d.]+)\s+(.*)$")
 RESUMED = re.compile(r"<\.\.\. \w+ resumed>(.*)")
 
 
-def mapped_bytes(strace: Path) -> tuple[list[float], list[int]]:
-    """(times, bytes mapped after each event) of the anonymous read-write maps of 64 KiB or more."""
-    live: dict[int, int] = {}
+def maps(strace: Path):
+    """(time, address, bytes) for each anonymous read-write map of 64 KiB or more, and (time, address, 0) for the
+    unmap of one, in the log's order."""
+    held: set[int] = set()
     pending: dict[str, str] = {}
-    times, totals, total = [], [], 0
     for line in strace.read_text().splitlines():
         m = LINE.match(line)
         if not m:
@@ -81,17 +81,24 @@ def mapped_bytes(strace: Path) -> tuple[list[float], list[int]]:
             call = pending.pop(pid, "") + resumed.group(1)
         if call.startswith("mmap(") and "MAP_ANONYMOUS" in call and "PROT_READ|PROT_WRITE" in call:
             size, result = int(call.split(",")[1]), call.rsplit("=", 1)[1].strip()
-            if not result.startswith("0x") or size < 65536:
-                continue
-            live[int(result, 16)] = size
-            total += size
+            if result.startswith("0x") and size >= 65536:
+                held.add(int(result, 16))
+                yield t, int(result, 16), size
         elif call.startswith("munmap("):
             address = int(call[len("munmap("):].split(",")[0], 16)
-            if address not in live:
-                continue
-            total -= live.pop(address)
-        else:
-            continue
+            if address in held:
+                held.discard(address)
+                yield t, address, 0
+
+
+def mapped_bytes(strace: Path) -> tuple[list[float], list[int]]:
+    """(times, bytes mapped after each event) of the anonymous read-write maps of 64 KiB or more."""
+    live: dict[int, int] = {}
+    times, totals, total = [], [], 0
+    for t, address, size in maps(strace):
+        if size:
+            live[address] = size
+        total += size or -live.pop(address)
         times.append(t)
         totals.append(total)
     return times, totals
@@ -99,33 +106,19 @@ def mapped_bytes(strace: Path) -> tuple[list[float], list[int]]:
 
 def allocations_traced(strace: Path, start: float, end: float) -> list[tuple[int, int]]:
     """The maps and unmaps of 64 KiB or more between `start` and `end`, as `memory.simulate.allocations` gives
-    events: (address, bytes) for a map, less glibc's page of header and rounding, and (address, 0) for its unmap."""
-    held: set[int] = set()
-    pending: dict[str, str] = {}
+    events: (address, bytes) for a map, less glibc's page of header and rounding, and (address, 0) for its unmap
+    (of a map made in that time)."""
+    made: set[int] = set()
     events = []
-    for line in strace.read_text().splitlines():
-        m = LINE.match(line)
-        if not m:
-            continue
-        pid, t, call = m.group(1), float(m.group(2)), m.group(3)
-        if call.endswith("<unfinished ...>"):
-            pending[pid] = call[: -len("<unfinished ...>")]
-            continue
-        resumed = RESUMED.match(call)
-        if resumed:
-            call = pending.pop(pid, "") + resumed.group(1)
+    for t, address, size in maps(strace):
         if not start <= t <= end:
             continue
-        if call.startswith("mmap(") and "MAP_ANONYMOUS" in call and "PROT_READ|PROT_WRITE" in call:
-            size, result = int(call.split(",")[1]), call.rsplit("=", 1)[1].strip()
-            if result.startswith("0x") and size >= 65536:
-                held.add(int(result, 16))
-                events.append((int(result, 16), size - 4096))
-        elif call.startswith("munmap("):
-            address = int(call[len("munmap("):].split(",")[0], 16)
-            if address in held:
-                held.discard(address)
-                events.append((address, 0))
+        if size:
+            made.add(address)
+            events.append((address, size - 4096))
+        elif address in made:
+            made.discard(address)
+            events.append((address, 0))
     return events
 
 
