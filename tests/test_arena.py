@@ -333,3 +333,28 @@ def test_a_plans_allocations_are_those_of_the_graph_it_writes():
         assert live_peak(events) == live_peak(applied)
         for dead in (MAX_DEAD_BYTES, SPLIT_ALWAYS):
             assert least_limit(events, max_dead_bytes=dead) == least_limit(applied, max_dead_bytes=dead)
+
+
+def test_the_traced_allocations_read_from_an_strace_log(tmp_path):
+    """bench/trace_memory.py --arena reads onnxruntime's maps from `strace -f -ttt -e mmap,munmap`: anonymous
+    read-write maps of 64 KiB or more, a call split across two threads' lines, and only the unmaps of maps made
+    within the run (as events for `memory.arena`, a map less glibc's page)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("trace_memory", MODELS.parent / "bench" / "trace_memory.py")
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    log = tmp_path / "mmap.strace"
+    log.write_text("\n".join([
+        "10 1.0 mmap(NULL, 1052672, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS, -1, 0) = 0x7f0000000000",
+        "10 2.0 mmap(NULL, 4096, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS, -1, 0) = 0x7f1000000000",
+        "11 2.5 mmap(NULL, 2101248, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS, -1, 0 <unfinished ...>",
+        "10 2.6 munmap(0x7f0000000000, 1052672) = 0",
+        "11 2.7 <... mmap resumed>) = 0x7f2000000000",
+        "10 3.0 mmap(NULL, 135168, PROT_READ, MAP_PRIVATE, 3, 0) = 0x7f3000000000",
+        "11 3.5 munmap(0x7f2000000000, 2101248) = 0",
+    ]) + "\n")
+    assert list(trace.maps(log)) == [(1.0, 0x7f0000000000, 1052672), (2.6, 0x7f0000000000, 0),
+                                     (2.7, 0x7f2000000000, 2101248), (3.5, 0x7f2000000000, 0)]
+    assert trace.mapped_bytes(log) == ([1.0, 2.6, 2.7, 3.5], [1052672, 0, 2101248, 0])
+    # the run from 2.0 on: the first map was made before it, so its unmap is no event
+    assert trace.allocations_traced(log, 2.0, 4.0) == [(0x7f2000000000, 2101248 - 4096), (0x7f2000000000, 0)]
