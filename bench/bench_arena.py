@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/bench_arena.py GRAPH [GRAPH ...] [--strategies same,pow2,split] [--threads 2]
         [--tolerance 0.01] [--no-run]   # only the emulation (memory.arena), no onnxruntime
-        [--resident]   # the resident set of a step in an arena without a limit (and the step's seconds),
-                       # instead of the least limit
+        [--resident [--maps]]   # the resident set of a step in an arena without a limit (and the step's
+                                # seconds), instead of the least limit; --maps: which maps gained it
 
 On CUDA, onnxgrad's sessions give a graph that records a budget onnxruntime's BFC arena with
 `arena_extend_strategy=kNextPowerOfTwo` and `gpu_mem_limit` = the budget (`runtime.provider_options`); on the CPU,
@@ -74,6 +74,9 @@ def main() -> None:
     parser.add_argument("--resident", action="store_true",
                         help="instead of the least limit: the resident set one step adds in an arena without a "
                              "limit (as a session runs), beside the emulated least limit")
+    parser.add_argument("--maps", action="store_true",
+                        help="with --resident: also the process's maps that gained 1 MiB or more of resident "
+                             "bytes (map MiB: MiB gained), to tell the arena's regions from memory outside it")
     args = parser.parse_args()
     strategies = args.strategies.split(",")
     what = ("resident MiB without a limit (emulated least limit), / simulated, / budget, step s" if args.resident
@@ -95,7 +98,11 @@ def main() -> None:
             strategy, dead = STRATEGIES[name]
             seconds = None
             if args.resident:
-                need, seconds = resident_in_arena(path, strategy, args.threads, _ort_dead_bytes(dead))
+                need, seconds, *maps = resident_in_arena(path, strategy, args.threads, _ort_dead_bytes(dead),
+                                                         maps=args.maps)
+                if maps:
+                    print(f"{Path(path).name} {name}: maps that gained resident bytes (map MiB: MiB gained): "
+                          + ", ".join(f"{size / MIB:.1f}: {rise / MIB:.1f}" for size, rise in maps[0]), flush=True)
             elif args.no_run:
                 need = emulated[name]
             else:

@@ -108,7 +108,19 @@ def status(key):
             return int(line.split()[1]) * 1024
 
 path, limit, strategy, threads, dead = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-runs = int(sys.argv[6])
+runs, maps = int(sys.argv[6]), len(sys.argv) > 7
+
+def resident_maps():
+    out, start = {}, None
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start = line.split()[0]
+            low, high = (int(x, 16) for x in start.split("-"))
+            out[start] = [high - low, 0]
+        elif head == "Rss:":
+            out[start][1] = int(line.split()[1]) * 1024
+    return out
 model = onnx.load(path)
 runtime.follow_live_bytes = lambda: False  # the arena allocates here, not glibc's mmap
 runtime.split_every_chunk = lambda so: None  # and it is the one configured here
@@ -122,6 +134,7 @@ sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"], **extr
 feeds = random_feeds(model, {}, 0, {t.name for t in model.graph.initializer})
 del model
 base = status("VmRSS")
+before = resident_maps() if maps else {}
 seconds = []
 try:
     for _ in range(runs):
@@ -132,6 +145,9 @@ try:
         seconds.append(time.perf_counter() - start)
 except Exception as e:
     sys.exit(3 if "Available memory" in str(e) else 1)
+if maps:  # the maps whose resident bytes rose by 1 MiB or more: (map bytes, rise)
+    rises = [(size, rss - before.get(key, [0, 0])[1]) for key, (size, rss) in resident_maps().items()]
+    print(json.dumps(sorted((r for r in rises if r[1] >= 1 << 20), key=lambda r: -r[1])))
 print(json.dumps([status("VmHWM") - base, min(seconds[1:] or seconds)]))
 """
 ARENA_STRATEGIES = {"kNextPowerOfTwo": 0, "kSameAsRequested": 1}  # OrtArenaCfg's arena_extend_strategy
@@ -151,12 +167,15 @@ def runs_in_arena(model_path: str | os.PathLike, limit: int, strategy: str = "kN
 
 
 def resident_in_arena(model_path: str | os.PathLike, strategy: str = "kNextPowerOfTwo", threads: int = 1,
-                      max_dead_bytes: int = -1, runs: int = 3) -> tuple[int, float]:
+                      max_dead_bytes: int = -1, runs: int = 3, maps: bool = False):
     """The bytes `runs` runs of the graph add to the resident set in onnxruntime's CPU arena without a limit, in
-    a fresh process, and the fastest run's seconds after the first."""
+    a fresh process, and the fastest run's seconds after the first; with `maps`, also (map bytes, resident bytes
+    it gained) for each of the process's maps that gained 1 MiB or more (/proc/self/smaps), the most first."""
     proc = subprocess.run([sys.executable, "-c", ARENA_CHILD, str(model_path), "0", str(ARENA_STRATEGIES[strategy]),
-                           str(threads), str(max_dead_bytes), str(runs)], capture_output=True, text=True)
+                           str(threads), str(max_dead_bytes), str(runs), *(["maps"] if maps else [])],
+                          capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"running {Path(model_path).name} failed: {proc.stderr.strip().splitlines()[-1:]}")
-    held, seconds = json.loads(proc.stdout.strip().splitlines()[-1])
-    return held, seconds
+    lines = proc.stdout.strip().splitlines()
+    held, seconds = json.loads(lines[-1])
+    return (held, seconds, [tuple(m) for m in json.loads(lines[-2])]) if maps else (held, seconds)
