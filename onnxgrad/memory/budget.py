@@ -460,12 +460,7 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
         peak = held(plan.order)
         if found is not None and solution.peak <= found:
             least_written = peak  # the least plan's peak as written, which a failure reports
-        tidied = bp.tidy(solution)
-        if tidied is not solution:
-            tidy_plan = bp.plan(tidied, policy)
-            tidy_peak = held(tidy_plan.order)
-            if tidy_peak <= peak or (wanted is not None and tidy_peak <= wanted):
-                solution, plan, peak = tidied, tidy_plan, tidy_peak
+        solution, plan, peak = _tidied(bp, solution, plan, peak, wanted, held, policy)
         if wanted is None or peak <= wanted:
             break
         # the offset between the problem's peak and the graph's is not the same at every plan: ask for a plan
@@ -509,6 +504,20 @@ def budget_policy(graph: Graph, nbytes: dict[int, int], bp: BudgetProblem, optio
     return _result(plan, report(solution, peak, found, problem_budget))
 
 
+def _tidied(bp: BudgetProblem, solution: solvers.Solution, plan: Plan, peak: int, wanted: int | None, held,
+            policy: str) -> tuple[solvers.Solution, Plan, int]:
+    """The schedule tidied (`BudgetProblem.tidy`) where its peak as written (`held`) is no higher, or still fits
+    `wanted`; else the schedule as it was."""
+    tidied = bp.tidy(solution)
+    if tidied is solution:
+        return solution, plan, peak
+    tidy_plan = bp.plan(tidied, policy)
+    tidy_peak = held(tidy_plan.order)
+    if tidy_peak <= peak or (wanted is not None and tidy_peak <= wanted):
+        return tidied, tidy_plan, tidy_peak
+    return solution, plan, peak
+
+
 def _arena_choice(bp: BudgetProblem, front: solvers.Front, wanted: int, target: int, held, fits
                   ) -> tuple[solvers.Solution | None, Plan | None, int | None, int | None]:
     """`--allocator arena` with the fast solver: (solution, plan, peak, None) for the cheapest schedule of the
@@ -535,13 +544,7 @@ def _arena_choice(bp: BudgetProblem, front: solvers.Front, wanted: int, target: 
         peak = held(plan.order)
         if peak > wanted:
             continue  # the least limit's search passed a limit the arena runs under
-        tidied = bp.tidy(solution)
-        if tidied is not solution:
-            tidy_plan = bp.plan(tidied, "budget")
-            tidy_peak = held(tidy_plan.order)
-            if tidy_peak <= wanted:
-                return tidied, tidy_plan, tidy_peak, None
-        return solution, plan, peak, None
+        return (*_tidied(bp, solution, plan, peak, wanted, held, "budget"), None)
     least = None
     for c in sorted(front.staged, key=lambda c: (c.peak, c.cost))[:ARENA_EVALUATIONS]:
         if least is not None and c.peak - offset > least:

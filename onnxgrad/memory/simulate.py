@@ -241,11 +241,17 @@ def allocations(graph: Graph, nbytes: dict[int, int]) -> list[tuple[object, int]
     (`fused_into_reader`) makes no buffer. That changes the live bytes only while such a node runs, but where the
     next buffers go in an arena (bench/bench_arena.py)."""
     static_values, kept = _static_and_kept(graph)
+    in_place, fused = _run_as(graph, graph.nodes)
+    return _events(_steps_of(graph, nbytes), nbytes, kept, static_values, in_place, fused)
+
+
+def _run_as(graph: Graph, nodes: list[Node]) -> tuple[set[int], set[int]]:
+    """(the steps of `nodes`, run in `graph`, that onnxruntime may write over their input 0, those whose output
+    it fuses into their reader)."""
     outputs = {id(v) for v in graph.outputs}
     constants = set(graph.initializers)
-    in_place = {k for k, n in enumerate(graph.nodes) if in_place_candidate(n, outputs)}
-    fused = {k for k, n in enumerate(graph.nodes) if fused_into_reader(n, outputs, constants)}
-    return _events(_steps_of(graph, nbytes), nbytes, kept, static_values, in_place, fused)
+    return ({k for k, n in enumerate(nodes) if in_place_candidate(n, outputs)},
+            {k for k, n in enumerate(nodes) if fused_into_reader(n, outputs, constants)})
 
 
 def live_peak(events: list[tuple[object, int]]) -> int:
@@ -532,18 +538,14 @@ def allocations_of_plan(graph: Graph, order: list, nbytes: dict[int, int]) -> tu
     the graph."""
     steps, size, kept, static, statics = _plan_steps(graph, order, nbytes)
     by_name = {n.name: n for n in graph.nodes}
-    outputs = {id(v) for v in graph.outputs}
-    nodes = [by_name[step[0] if isinstance(step, tuple) else step] for step in order]
-    constants = set(graph.initializers)
-    in_place = {k for k, node in enumerate(nodes) if in_place_candidate(node, outputs)}
+    in_place, fused = _run_as(graph, [by_name[step[0] if isinstance(step, tuple) else step] for step in order])
     readers: dict = {}
     for reads, _, _, _ in steps:
         for r in set(reads):
             readers[r] = readers.get(r, 0) + 1
     # fused where the written graph's MatMul has one reader too: a copy of the Add that reads the MatMul's first
     # run gives that a second reader
-    fused = {k for k, node in enumerate(nodes)
-             if fused_into_reader(node, outputs, constants) and steps[k][1] and readers.get(steps[k][1][0]) == 1}
+    fused = {k for k in fused if steps[k][1] and readers.get(steps[k][1][0]) == 1}
     return static, _events(steps, size, kept, statics, in_place, fused)
 
 
