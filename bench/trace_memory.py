@@ -16,7 +16,9 @@ Nodes onnxruntime runs in place (activations, `bench_inplace.py`) show as measur
 nodes that read no large value may run early; their simulated figure belongs to their place in the file.
 With `--arena`, the least limit of onnxruntime's arena as `memory.arena` emulates it, for the third run's own
 maps and for the simulator's allocations: where the two part, the simulator's allocations differ from
-onnxruntime's (the emulation itself follows the arena: bench/bench_arena.py).
+onnxruntime's (the emulation itself follows the arena: bench/bench_arena.py). The maps a kernel makes from malloc
+(ScatterElements' copy of its indices: `simulate.OutsideAllocator`) are found by their node and size, and left
+out of both, as the arena never serves them; the figure beside is what they add.
 Needs strace (Linux).
 """
 from __future__ import annotations
@@ -104,21 +106,27 @@ def mapped_bytes(strace: Path) -> tuple[list[float], list[int]]:
     return times, totals
 
 
-def allocations_traced(strace: Path, start: float, end: float) -> list[tuple[int, int]]:
+def allocations_traced(strace: Path, start: float, end: float,
+                       outside: list[tuple[float, float, int]] = ()) -> list[tuple[object, int]]:
     """The maps and unmaps of 64 KiB or more between `start` and `end`, as `memory.simulate.allocations` gives
     events: (address, bytes) for a map, less glibc's page of header and rounding, and (address, 0) for its unmap
-    (of a map made in that time)."""
-    made: set[int] = set()
+    (of a map made in that time). A map made between a and b of about n bytes, for (a, b, n) in `outside` (a
+    kernel's buffer from malloc, `simulate.OutsideAllocator`), is keyed (simulate.OUTSIDE, address), as the
+    simulator keys it, so that the arena's emulation leaves it out as it does the simulator's."""
+    from onnxgrad.memory.simulate import OUTSIDE
+    made: dict[int, object] = {}
     events = []
     for t, address, size in maps(strace):
         if not start <= t <= end:
             continue
         if size:
-            made.add(address)
-            events.append((address, size - 4096))
+            key = address
+            if any(a <= t <= b and abs(size - 4096 - n) < 8192 for a, b, n in outside):
+                key = (OUTSIDE, address)
+            made[address] = key
+            events.append((key, size - 4096))
         elif address in made:
-            made.discard(address)
-            events.append((address, 0))
+            events.append((made.pop(address), 0))
     return events
 
 
@@ -168,13 +176,24 @@ def main() -> None:
     print(f"{Path(args.model).name}: measured dynamic peak {peak / mib:.1f} MiB, simulated "
           f"{timeline.dynamic_peak / mib:.1f} MiB (at {timeline.peak_node}); {len(nodes)} nodes ran")
     if args.arena:
-        from onnxgrad.memory.arena import MAX_DEAD_BYTES, SPLIT_ALWAYS, least_limit
-        traced = allocations_traced(log, run["start"], run["end"])
-        simulated_events = simulate.allocations(graph, simulate.sizes(graph))
+        from onnxgrad.memory.arena import MAX_DEAD_BYTES, SPLIT_ALWAYS, least_limit, outside_peak
+        nbytes = simulate.sizes(graph)
+        by_name = {n.name: n for n in graph.nodes}
+        outside = []  # (start, end, bytes) of each kernel buffer from malloc, while its node ran
+        for e in nodes:
+            node = by_name.get(e["name"][: -len("_kernel_time")])
+            scratch = simulate.scratch_bytes(node, nbytes) if node is not None else 0
+            if isinstance(scratch, simulate.OutsideAllocator):
+                a = offset + e["ts"] * 1e-6
+                outside += [(a, a + e["dur"] * 1e-6, part) for part in scratch.parts]
+        traced = allocations_traced(log, run["start"], run["end"], outside)
+        simulated_events = simulate.allocations(graph, nbytes)
         for name, dead in (("every chunk split", SPLIT_ALWAYS), ("onnxruntime's default rule", MAX_DEAD_BYTES)):
             print(f"least arena, {name}: {least_limit(traced, max_dead_bytes=dead) / mib:.1f} MiB for the traced "
                   f"allocations of 64 KiB or more, {least_limit(simulated_events, max_dead_bytes=dead) / mib:.1f} "
                   f"MiB for the simulator's (memory.simulate.allocations)")
+        print(f"beside the arena (kernels' buffers from malloc): {outside_peak(traced) / mib:.2f} MiB traced, "
+              f"{outside_peak(simulated_events) / mib:.2f} MiB simulated")
     rows = []
     for k, e in enumerate(nodes):
         name = e["name"][: -len("_kernel_time")]

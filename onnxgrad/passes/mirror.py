@@ -16,7 +16,7 @@ from ..contract import ALLOCATOR_KEY, BUDGET_KEY, MIRROR_KEY
 from ..errors import UsageError
 from ..memory import plan as plans
 from ..memory import solvers, sweep
-from ..memory.arena import NEXT_POWER_OF_TWO, SPLIT_ALWAYS, STRATEGIES, least_limit
+from ..memory.arena import NEXT_POWER_OF_TWO, SPLIT_ALWAYS, STRATEGIES, least_limit, resident
 from ..memory.budget import (BudgetProblem, MirrorOptions, budget_policy, problem_front, problem_target,
                              recompute_costs)
 from ..memory.cost import CostModel
@@ -82,7 +82,9 @@ class Mirror(Pass):
         plan.predicted = {"peak_bytes": after.peak, "unmirrored_peak_bytes": before.peak,
                           "saved_bytes": sum(b for _, b in after.saved),
                           "unmirrored_saved_bytes": sum(b for _, b in before.saved),
-                          "arena_peak_bytes": arena, "cpu_arena_peak_bytes": cpu_arena}
+                          "arena_peak_bytes": arena, "cpu_arena_peak_bytes": cpu_arena,
+                          # what a CPU process holds for it in onnxgrad's arena, which has no limit
+                          "cpu_resident_bytes": after.static + resident(events)}
         cuda = arena[NEXT_POWER_OF_TWO]  # as onnxgrad's CUDA sessions run a budgeted graph (runtime.provider_options)
         if budget is not None and budget.budget_bytes is not None and budget.allocator == "exact" \
                 and cuda > budget.budget_bytes:
