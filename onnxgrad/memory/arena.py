@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 
 from ..ir import Graph
-from .simulate import OUTSIDE, allocations, sizes
+from .simulate import OUTSIDE, allocations, live_peak, sizes
 
 NEXT_POWER_OF_TWO, SAME_AS_REQUESTED = "kNextPowerOfTwo", "kSameAsRequested"
 STRATEGIES = (NEXT_POWER_OF_TWO, SAME_AS_REQUESTED)
@@ -156,18 +156,7 @@ def outside_peak(events: list[tuple[object, int]]) -> int:
     (`simulate.OutsideAllocator`): what a process holds beside the arena's regions. glibc keeps such a buffer's
     memory in its heap once freed (traced: ScatterElements' indices, taken from the heap from the second run on),
     so it adds to the resident set as a whole, wherever the arena peaks."""
-    held: dict = {}
-    live = peak = 0
-    for key, n in events:
-        if not _outside(key):
-            continue
-        if n:
-            held[key] = n
-            live += n
-            peak = max(peak, live)
-        else:
-            live -= held.pop(key)
-    return peak
+    return live_peak([e for e in events if _outside(e[0])])
 
 
 PAGE = 4096
