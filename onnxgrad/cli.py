@@ -491,6 +491,9 @@ def _build_and_write(command, options, model, output, external_data, report):
                      out, b.budget, _mib(b.budget_bytes) if b.budget_bytes else "auto",
                      _mib(b.floor_bytes), b.extra_forward_passes, b.solver,
                      "" if b.gap is None else f", gap {b.gap:.2%} to the lower bound on any plan's extra compute")
+            if b.allocator == "arena":
+                log.info("%s: in onnxgrad's CPU arena a process holds about %s for it, static bytes included",
+                         out, _mib(m.plan.predicted["cpu_resident_bytes"]))
     if m is not None and m.sweep is not None:
         from .memory.sweep import chart
         chart(m.sweep.rows, sweep_path, f"{os.path.basename(model)}: peak memory against recomputation",

@@ -534,3 +534,18 @@ def test_node_counts_agree_for_a_forward_model_and_a_training_graph(tmp_path, ca
     # the same forward nodes and the same recomputations, whichever the mirror command was given
     keys = ("forward_nodes", "recompute_nodes")
     assert [reports["from-forward"][k] for k in keys] == [reports["from-training"][k] for k in keys]
+
+
+def test_mirror_for_the_arena_says_what_a_cpu_process_holds(tmp_path):
+    """`mirror --allocator arena` tells the user what a CPU process holds for the plan (the report's
+    predicted.cpu_resident_bytes), which is under the budget it met."""
+    out = tmp_path / "t.onnx"
+    proc = subprocess.run([sys.executable, "-m", "onnxgrad", "mirror", str(MODELS / "transformer.onnx"), "--dim",
+                           "N=1024", "--budget", "0.8x", "--allocator", "arena", "-o", str(out), "--report",
+                           str(tmp_path / "r.json")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "r.json").read_text())["mirror"]
+    held = report["predicted"]["cpu_resident_bytes"]
+    assert held <= report["budget_bytes"]
+    from onnxgrad.memory.simulate import format_bytes
+    assert f"in onnxgrad's CPU arena a process holds about {format_bytes(held)} for it" in proc.stderr
