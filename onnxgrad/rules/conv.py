@@ -216,8 +216,13 @@ def _weight_grad_by_offsets(ctx, x, gy, group, m, c_per_group, sizes, out, kerne
         else:
             a, b = rows(dy_k, m_per_group), rows(x_k, c_per_group)
             term = op.Gemm(a, b, transB=1) if group == 1 else op.MatMul(a, op.Transpose(b, perm=[0, 2, 1]))
-        columns.append(op.Reshape(term, op.ints([m, c_per_group, 1])))
-    gw = columns[0] if len(columns) == 1 else op.Concat(*columns, axis=2)
+        columns.append(term)
+    if len(columns) == 1:
+        # one Reshape, not two in a row: onnxruntime merges such a pair into a node numbered after every node of
+        # the file, which PRIORITY_BASED runs only when nothing else is ready (a 1x1 Conv's weight gradient
+        # then waited for the end of the backward pass)
+        return op.Reshape(columns[0], op.ints([m, c_per_group, *kernel]))
+    gw = op.Concat(*[op.Reshape(c, op.ints([m, c_per_group, 1])) for c in columns], axis=2)
     return op.Reshape(gw, op.ints([m, c_per_group, *kernel]))
 
 
