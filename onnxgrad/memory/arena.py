@@ -151,6 +151,11 @@ def _outside(key) -> bool:
     return isinstance(key, tuple) and key[0] == OUTSIDE
 
 
+def _in_arena(events: list[tuple[object, int]]) -> list[tuple[object, int]]:
+    """The events of `events` that onnxruntime's allocator serves (not the kernels' buffers from malloc)."""
+    return [e for e in events if not _outside(e[0])]
+
+
 def outside_peak(events: list[tuple[object, int]]) -> int:
     """The most bytes of `events` alive at once that kernels take from malloc rather than from the arena
     (`simulate.OutsideAllocator`): what a process holds beside the arena's regions. glibc keeps such a buffer's
@@ -175,9 +180,7 @@ def resident(events: list[tuple[object, int]], strategy: str = NEXT_POWER_OF_TWO
     arena, held = Arena(1 << 62, strategy, max_dead_bytes), {}
     starts: list[int] = []  # the pages written, as disjoint [start, end) ranges
     ends: list[int] = []
-    for key, nbytes in events:
-        if _outside(key):
-            continue
+    for key, nbytes in _in_arena(events):
         if not nbytes:
             arena.free(held.pop(key))
             continue
@@ -196,11 +199,13 @@ def runs_within(events: list[tuple[object, int]], limit: int, strategy: str = NE
                 max_dead_bytes: int = MAX_DEAD_BYTES) -> bool:
     """Whether an arena limited to `limit` bytes serves every allocation of `events` (`simulate.allocations`)
     that onnxruntime's allocator makes (not the `outside_peak` ones)."""
+    return _serves(_in_arena(events), limit, strategy, max_dead_bytes)
+
+
+def _serves(events: list[tuple[object, int]], limit: int, strategy: str, max_dead_bytes: int) -> bool:
     arena, held = Arena(limit, strategy, max_dead_bytes), {}
     try:
         for key, nbytes in events:
-            if _outside(key):
-                continue
             if nbytes:
                 held[key] = arena.alloc(nbytes)
             else:
@@ -222,7 +227,7 @@ def least_limit(events: list[tuple[object, int]], strategy: str = NEXT_POWER_OF_
                 max_dead_bytes: int = MAX_DEAD_BYTES) -> int:
     """The least limit, within `precision` of itself, under which the arena serves `events` (those it makes:
     add `outside_peak` for what the process holds)."""
-    events = [e for e in events if not _outside(e[0])]
+    events = _in_arena(events)
     live_sizes: dict = {}
     live = peak = 0
     for key, n in events:
@@ -233,11 +238,11 @@ def least_limit(events: list[tuple[object, int]], strategy: str = NEXT_POWER_OF_
         else:
             live -= live_sizes.pop(key)
     low, high = peak - 1, max(peak, MIN_ALLOCATION)
-    while not runs_within(events, high, strategy, max_dead_bytes):
+    while not _serves(events, high, strategy, max_dead_bytes):
         low, high = high, high * 2
     while high - low > max(precision * high, MIN_ALLOCATION):
         middle = (low + high) // 2
-        if runs_within(events, middle, strategy, max_dead_bytes):
+        if _serves(events, middle, strategy, max_dead_bytes):
             high = middle
         else:
             low = middle

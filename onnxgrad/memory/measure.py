@@ -115,7 +115,7 @@ def resident_maps():
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
-            start = line.split()[0]
+            start = head
             low, high = (int(x, 16) for x in start.split("-"))
             out[start] = [high - low, 0]
         elif head == "Rss:":

@@ -63,11 +63,9 @@ def format_bytes(n: int | float) -> str:
     """Bytes for people: KiB below a MiB, MiB below 10 GiB, else GiB; rounded up at the place shown, so a figure
     a refusal gives can be asked for as written (`--budget 1057.7MiB`), where 1.0 GiB would stand for budgets
     from 1000 to 1075 MiB."""
-    for unit, size in (("GiB", 10 * 2**30), ("MiB", 2**20)):
-        if n >= size:
-            scale = size // 10 if unit == "GiB" else size
-            return f"{math.ceil(n * 10 / scale) / 10:.1f} {unit}"
-    return f"{math.ceil(n * 10 / 2**10) / 10:.1f} KiB"
+    for unit, above, size in (("GiB", 10 * 2**30, 2**30), ("MiB", 2**20, 2**20), ("KiB", 0, 2**10)):
+        if n >= above or unit == "KiB":
+            return f"{math.ceil(n * 10 / size) / 10:.1f} {unit}"
 
 
 def sizes(graph: Graph, dims: dict[str, int] | None = None) -> dict[int, int]:
