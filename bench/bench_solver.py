@@ -51,10 +51,25 @@ from solver_problems import chain, random_training_dag, tanh_chain  # noqa: E402
 
 
 PRUNE = 0  # --prune: schedule steps this tree's fast solver may spend pruning its fronts (Limits.prune_work)
+ANNEAL = 0  # --anneal: schedule steps it may spend moving the recomputations of its plan for a budget
 
 
-def limits() -> solvers.Limits:
+def limits(budget: int | None = None) -> solvers.Limits:
+    """The fast solver's limits; with --anneal and a budget, as `mirror --budget` asks for that budget (pruned
+    toward it, then annealed)."""
+    if ANNEAL and budget is not None:
+        return solvers.Limits(prune_work=PRUNE, prune_below=budget, anneal_work=ANNEAL)
     return solvers.Limits(prune_work=PRUNE) if PRUNE else solvers.Limits()
+
+
+def fast_under(problem: solvers.Problem, front: solvers.Front, seconds: float, budget: int
+               ) -> tuple[solvers.Solution | None, float]:
+    """The fast solver's plan for `budget` and its seconds: from `front` (made in `seconds`), or with --anneal
+    from a front made for the budget."""
+    if not ANNEAL:
+        return front.best_under(budget), seconds
+    started = time.perf_counter()
+    return solvers.front(problem, limits(budget)).best_under(budget), time.perf_counter() - started
 
 
 def solve(problem: solvers.Problem, budget: int) -> solvers.Solution | None:
@@ -146,7 +161,7 @@ def solvers_table(cp_time: float, milp_time: float) -> None:
         low, top = fast.least_peak, problem.baseline_peak
         for j in range(4):
             budget = low + (top - low) * j // 4
-            f, d = fast.best_under(budget), dp.best_under(budget)
+            (f, f_s), d = fast_under(problem, fast, fast_s, budget), dp.best_under(budget)
             started = time.perf_counter()
             exact = solvers.solve_cp(problem, budget, solvers.Limits(time_limit=cp_time), hint=f)
             cp_s = time.perf_counter() - started
@@ -159,7 +174,7 @@ def solvers_table(cp_time: float, milp_time: float) -> None:
                 if s is None or optimum is None:
                     return "-"
                 return "1.000" if s.extra_cost == optimum else (f"{s.extra_cost / optimum:.3f}" if optimum else "inf")
-            print(f"| {name} | {problem.n} | {budget} | {f.extra_cost:g} | {fast_s:.2f} | "
+            print(f"| {name} | {problem.n} | {budget} | {f.extra_cost:g} | {f_s:.2f} | "
                   f"{'none' if d is None else f'{d.extra_cost:g}'} | {dp_s:.2f} | {exact.extra_cost:g} ({exact.status}, "
                   f"{exact.gap:.0%}) | {cp_s:.1f} | {'-' if optimum is None else f'{optimum:g}'} | "
                   f"{solvers.extra_cost_bound(problem, budget):.4g} | {ratio(f)} | {ratio(d)} |", flush=True)
@@ -213,7 +228,7 @@ def tanh_table(cp_time: float) -> None:
         for fraction in fractions:
             # the problem counts the small Constant nodes as alive throughout, the graph frees them
             budget = int(fraction * peak) + max(0, problem.baseline_peak - peak)
-            f, d = fast.best_under(budget), dp.best_under(budget)
+            (f, f_s), d = fast_under(problem, fast, fast_s, budget), dp.best_under(budget)
 
             def passes(s):
                 return "none" if s is None else f"{s.extra_cost / bp.forward_cost:.2f}"
@@ -226,7 +241,7 @@ def tanh_table(cp_time: float) -> None:
                 "none" if exact is None else f"{passes(exact)} ({exact.status}, {exact.gap:.0%})")
             bound = solvers.extra_cost_bound(problem, budget)
             print(f"| tanh chain {layers} | {problem.n} | {fraction}x | {low / peak:.4f}x | "
-                  f"{fast.least_peak / peak:.4f}x | {fast_s:.2f} | {passes(f)} | {passes(d)} | {cp} | {cp_s:.1f} | "
+                  f"{fast.least_peak / peak:.4f}x | {f_s:.2f} | {passes(f)} | {passes(d)} | {cp} | {cp_s:.1f} | "
                   f"{'-' if bound is None else f'{bound / bp.forward_cost:.3f}'} |", flush=True)
 
 
@@ -343,6 +358,9 @@ def main() -> None:
     parser.add_argument("--against", metavar="DIR", help="with --front: also time the onnxgrad under DIR")
     parser.add_argument("--prune", type=int, default=0, metavar="STEPS",
                         help="this tree's fast solver prunes its fronts within STEPS schedule steps (not the peer's)")
+    parser.add_argument("--anneal", type=int, default=0, metavar="STEPS",
+                        help="with --solvers: the fast plan of each budget is pruned toward it and annealed within "
+                             "STEPS schedule steps, as mirror --budget makes it")
     parser.add_argument("--front-seeds", default="1", help="with --front: the random DAGs' seeds (comma-separated)")
     parser.add_argument("--rises", action="store_true",
                         help="only where the pruned plan's cost rises with the budget (random 30-op DAGs, seeds "
@@ -351,8 +369,9 @@ def main() -> None:
     parser.add_argument("--front-one", help=argparse.SUPPRESS)  # kind:n:seed, as JSON (the peer's process)
     parser.add_argument("--code", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global PRUNE
+    global PRUNE, ANNEAL
     PRUNE = args.prune if not args.front_one else 0
+    ANNEAL = args.anneal if not args.front_one else 0
     if args.front_one:
         kind, n, seed = args.front_one.split(":")
         print(json.dumps(measure_front(kind, int(n), seed=int(seed))))

@@ -66,10 +66,11 @@ PRUNE_WORK_PER_OP = 2000
 def solver_limits(problem: solvers.Problem, work: int = solvers.DEFAULT_WORK, time_limit: float = 60.0,
                   workers: int = 2, target: int | None = None) -> solvers.Limits:
     """What the solvers may spend on `problem`, the fast solver's front pruned (`PRUNE_WORK_PER_OP`), the
-    schedules under `target` (the problem's budget) first: the one front that `mirror --budget` chooses from and
-    `mirror --sweep` draws."""
-    return solvers.Limits(work=work, time_limit=time_limit, workers=workers,
-                          prune_work=max(work, PRUNE_WORK_PER_OP * problem.n), prune_below=target)
+    schedules under `target` (the problem's budget) first, and the cheapest under it annealed with as much work
+    again: the one front that `mirror --budget` chooses from and `mirror --sweep` draws."""
+    extra = max(work, PRUNE_WORK_PER_OP * problem.n)
+    return solvers.Limits(work=work, time_limit=time_limit, workers=workers, prune_work=extra, prune_below=target,
+                          anneal_work=extra)
 
 
 def problem_front(problem: solvers.Problem, options: MirrorOptions, unmirrored_peak: int) -> solvers.Front:

@@ -4,6 +4,7 @@
   heuristic solvers speak.
 - `dp.py`: the block DP (Rotor's revolve generalised to blocks between narrow points), every budget at once.
 - `fast.py`: the default; the DP's plans, segment schemes and a bounded local search, as one Pareto front.
+- `anneal.py`: moves a schedule's recomputations (in, out, along) under a budget: the fast solver's last step.
 - `exact.py`: Moccasin's constraint program through CP-SAT, started from the fast plan; optimum or gap.
 - `milp.py`: Checkmate's MILP through HiGHS, the oracle of the small problems in the tests.
 - `front.py`: the `Front` object (peak rising, cost falling) that answers every budget of a sweep.
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import dp
+from .anneal import anneal
 from .exact import solve_exact
 from .fast import DEFAULT_WORK, fast_front
 from .front import Candidate, Front, OutOfWork, Pool, best_under
@@ -37,6 +39,8 @@ class Limits:
     workers: int = 2
     prune_work: int = 0  # schedule steps the fast solver may spend pruning its front (`prune`); 0: none
     prune_below: int | None = None  # the budget the pruning serves: the schedules under it, closest first
+    anneal_work: int = 0  # schedule steps the fast solver may spend moving the recomputations of its plan for
+    # `prune_below` (`anneal`); 0: none
 
 
 def baseline(problem: Problem) -> Solution:
@@ -45,7 +49,8 @@ def baseline(problem: Problem) -> Solution:
 
 def front(problem: Problem, limits: Limits = Limits()) -> Front:
     """The fast solver's Pareto front (keep it to answer several budgets)."""
-    return fast_front(problem, limits.work, prune_work=limits.prune_work, prune_below=limits.prune_below)
+    return fast_front(problem, limits.work, prune_work=limits.prune_work, prune_below=limits.prune_below,
+                      anneal_work=limits.anneal_work)
 
 
 def dp_front(problem: Problem) -> Front:

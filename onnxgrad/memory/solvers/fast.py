@@ -10,7 +10,8 @@ while work is left. On request (`prune_work`), `prune` then takes out
 of each schedule on the front the recomputations that a copy made before can serve, held longer, within the
 schedule's own peak: a value held, recomputed, then held again, which no staged plan says. `mirror --budget` asks
 for it (`budget.PRUNE_WORK_PER_OP`), for the schedules under its budget, the closest first (`prune_below`): the
-work goes where the answer is, not to the long schedules at the least peak.
+work goes where the answer is, not to the long schedules at the least peak. With `anneal_work` too, the
+cheapest schedule under that budget is last annealed (`anneal.py`): copies put in, taken out and moved.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import random
 import numpy as np
 
 from . import dp
+from .anneal import anneal
 from .front import Candidate, Front, OutOfWork, Pool, pareto
 from .problem import DROP, HOLD, REUSE, Problem, build_schedule, floor, plan_entry, plan_of_classes, prune
 
@@ -249,11 +251,12 @@ DEFAULT_WORK = 400_000  # schedule steps the local search may build and simulate
 
 
 def fast_front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 12, prune_work: int = 0,
-               prune_below: int | None = None) -> Front:
+               prune_below: int | None = None, anneal_work: int = 0) -> Front:
     """The front of every plan the fast solver evaluates: the DP's plans and the segment schemes, always, then
     the local search within `work` schedule steps; with `prune_work`, its schedules then pruned (`prune`) within
     that many steps more: those under `prune_below` (a budget), the closest to it first, or, without one, all of
-    them from the least peak up."""
+    them from the least peak up; with `anneal_work` and `prune_below`, the cheapest schedule under that budget
+    then annealed (`anneal`) within that many steps more."""
     small = sum(problem.movable) <= LOCAL_SEARCH_OPS
     pool = Pool(problem, 10**12, keep_profiles=small)
     pool.source = "store-all"
@@ -290,7 +293,25 @@ def fast_front(problem: Problem, work: int = DEFAULT_WORK, grid_points: int = 12
         else:
             order = sorted((c for c in points if c.peak <= prune_below), key=lambda c: (-c.peak, c.cost))
         points = pareto(points + _pruned(problem, order, prune_work))
+    if small and anneal_work > 0 and prune_below is not None:
+        points = pareto(points + _annealed(problem, points, prune_below, anneal_work))
     return Front(problem, points, "fast", pool.evaluations, staged)
+
+
+def _annealed(problem: Problem, points: list[Candidate], budget: int, work: int) -> list[Candidate]:
+    """The cheapest schedule of `points` under `budget`, its recomputations moved (`anneal`) within `work`
+    steps, when that makes it cheaper."""
+    fits = [c for c in points if c.peak <= budget]
+    if not fits:
+        return []
+    c = min(fits, key=lambda c: c.cost)
+    schedule = list(c.schedule) if c.schedule is not None else build_schedule(problem, c.plan)
+    if len(schedule) == problem.n:
+        return []  # nothing recomputed: nothing to move
+    moved, peak, cost, _ = anneal(problem, schedule, budget, work)
+    if cost < c.cost - 1e-9:
+        return [Candidate(peak, cost, c.plan, c.source + ", annealed", tuple(moved))]
+    return []
 
 
 def _pruned(problem: Problem, points: list[Candidate], work: int) -> list[Candidate]:
