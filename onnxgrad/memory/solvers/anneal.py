@@ -26,7 +26,7 @@ import random
 
 import numpy as np
 
-from .problem import PRUNE_CHARGE, Problem, _trace
+from .problem import PRUNE_CHARGE, Problem, liveness_trace
 
 SHIFTS = (-3, -2, -1, 1, 2, 3)  # stages a copy may move in one shift
 EVICT_SHARE, REMOVE_SHARE = 0.3, 0.35  # of the moves drawn; the rest are shifts
@@ -44,7 +44,7 @@ def anneal(problem: Problem, schedule: list[int], budget: int, work: int, seed: 
     be put in index order)."""
     arrays = problem.arrays
     start = np.asarray(schedule, dtype=np.int64)
-    trace = _trace(problem, start)
+    trace = liveness_trace(problem, start)
     best = (start, _peak(problem, trace), float(np.cumsum(arrays.cost[start])[-1]) if len(start) else 0.0)
     steps = max(len(start), PRUNE_CHARGE)
     stages, anchors = _stages(problem, start)
@@ -80,7 +80,7 @@ def _chain(problem: Problem, start, anchors: np.ndarray, budget: int, work: int,
             continue
         ops = _schedule(trial, anchors)
         while True:  # a copy no read takes goes, and then any copy only it read
-            result = _trace(problem, ops)
+            result = liveness_trace(problem, ops)
             steps += max(len(ops), PRUNE_CHARGE)
             if not result.unread.any():
                 break

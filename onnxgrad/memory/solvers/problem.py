@@ -340,6 +340,12 @@ def _trace(problem: Problem, schedule: list[int] | np.ndarray) -> _Trace:
     return _Trace(ops, live_after, during, unread, end, np.cumsum(count) - count, count, taken, reader)
 
 
+def liveness_trace(problem: Problem, schedule: list[int] | np.ndarray) -> _Trace:
+    """The liveness kernel's whole record of a schedule (`_Trace`): live bytes, the copy each read takes and when
+    each output is freed, for a search that moves copies (`anneal`)."""
+    return _trace(problem, schedule)
+
+
 PRUNE_CHARGE = 256  # the least work one simulation of `prune` counts: a short schedule's time is mostly overhead
 
 
