@@ -16,8 +16,8 @@ read takes leave the schedule after each move. The random stream is seeded and t
 steps, so the same input gives the same schedule; the result is the cheapest schedule met, never worse than the
 start.
 
-On 30-op random DAGs this takes the fast solver's plans within 0-10% of CP-SAT's at most budgets
-(BENCHMARKS.md, "Annealing where copies run").
+On a 30-op random DAG this takes the fast solver's plans from 1.11-1.37x to 1.11-1.16x CP-SAT's best (BENCHMARKS.md,
+"Fourth round: annealing where the copies run").
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def anneal(problem: Problem, schedule: list[int], budget: int, work: int, seed: 
     temperature = START_TEMPERATURE * float(movable_costs.mean())
     share = (work - steps) // CHAINS
     for chain in range(CHAINS):
-        found, used = _chain(problem, (start, trace, best[2]), anchors, budget, share, temperature,
+        found, used = _chain(problem, (start, trace, best[2]), stages, anchors, budget, share, temperature,
                              random.Random(seed * CHAINS + chain))
         steps += used
         if found[2] < best[2] - 1e-9:
@@ -62,13 +62,13 @@ def anneal(problem: Problem, schedule: list[int], budget: int, work: int, seed: 
     return best[0].tolist(), best[1], best[2], steps
 
 
-def _chain(problem: Problem, start, anchors: np.ndarray, budget: int, work: int, start_temperature: float,
-           rng: random.Random) -> tuple[tuple[np.ndarray, int, float], int]:
-    """One search from `start` (its schedule, trace and cost), cooling linearly to nothing over `work` steps:
-    the cheapest schedule met under `budget` (peak, cost), and the steps counted."""
+def _chain(problem: Problem, start, stages: list[list[int]], anchors: np.ndarray, budget: int, work: int,
+           start_temperature: float, rng: random.Random) -> tuple[tuple[np.ndarray, int, float], int]:
+    """One search from `start` (its schedule, trace and cost; `stages` its copies, which no move changes in
+    place), cooling linearly to nothing over `work` steps: the cheapest schedule met under `budget` (peak, cost),
+    and the steps counted."""
     cost_of = problem.arrays.cost
     ops, trace, cost = start
-    stages = _stages(problem, ops)[0]
     best = (ops, _peak(problem, trace), cost)
     first_backward = int(np.searchsorted(anchors, problem.forward_end))
     steps = 0
@@ -104,16 +104,27 @@ def _peak(problem: Problem, trace) -> int:
 def _stages(problem: Problem, ops: np.ndarray) -> tuple[list[list[int]] | None, np.ndarray]:
     """The copies recomputed before each first run (one list per first run) and the first runs in order; None
     for the lists when the first runs are not in index order."""
-    first = np.zeros(len(ops), dtype=bool)
-    first[np.unique(ops, return_index=True)[1]] = True
+    first = _first_runs(ops)
     anchors = ops[first]
     if len(anchors) != problem.n or (np.diff(anchors) <= 0).any():
         return None, anchors
-    stage = np.cumsum(first) - 1 + ~first  # a copy belongs to the first run after it
+    stage = _stage_of(first)
     stages: list[list[int]] = [[] for _ in range(len(anchors))]
     for s, op in zip(stage[~first].tolist(), ops[~first].tolist()):
         stages[s].append(op)
     return stages, anchors
+
+
+def _first_runs(ops: np.ndarray) -> np.ndarray:
+    """Per position, whether it is its op's first run."""
+    first = np.zeros(len(ops), dtype=bool)
+    first[np.unique(ops, return_index=True)[1]] = True
+    return first
+
+
+def _stage_of(first: np.ndarray) -> np.ndarray:
+    """Per position, its stage: the index of the first run at or after it (a copy belongs to the next one)."""
+    return np.cumsum(first) - 1 + ~first
 
 
 def _schedule(stages: list[list[int]], anchors: np.ndarray) -> np.ndarray:
@@ -161,10 +172,7 @@ def _evicted(problem: Problem, rng: random.Random, stages: list[list[int]], anch
     later = trace.reader[(trace.taken == copy) & (trace.reader > at)]
     if not len(later):
         return None
-    # the stage of the next reader: the first run at or after it
-    first = np.zeros(len(ops), dtype=bool)
-    first[np.unique(ops, return_index=True)[1]] = True
-    s = int(np.cumsum(first)[int(later.min())] - 1 + (not first[int(later.min())]))
+    s = int(_stage_of(_first_runs(ops))[int(later.min())])  # the next reader's stage
     if s < first_backward or s >= len(stages):
         return None
     value = int(ops[copy])

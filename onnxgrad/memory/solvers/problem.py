@@ -261,7 +261,7 @@ def measure(problem: Problem, schedule: list[int]) -> tuple[int, float, np.ndarr
 def _liveness(problem: Problem, schedule: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The schedule as an array, the live bytes after and during each step (see `profile`), and which recomputed
     copies no read takes."""
-    trace = _trace(problem, schedule)
+    trace = liveness_trace(problem, schedule)
     return trace.ops, trace.live_after, trace.during, trace.unread
 
 
@@ -281,7 +281,9 @@ class _Trace(NamedTuple):
     reader: np.ndarray
 
 
-def _trace(problem: Problem, schedule: list[int] | np.ndarray) -> _Trace:
+def liveness_trace(problem: Problem, schedule: list[int] | np.ndarray) -> _Trace:
+    """The liveness kernel's whole record of a schedule (`_Trace`): live bytes, the copy each read takes and when
+    each output is freed (`profile`, `prune` and `anneal` read it)."""
     length = len(schedule)
     arrays = problem.arrays
     if isinstance(schedule, np.ndarray):
@@ -340,12 +342,6 @@ def _trace(problem: Problem, schedule: list[int] | np.ndarray) -> _Trace:
     return _Trace(ops, live_after, during, unread, end, np.cumsum(count) - count, count, taken, reader)
 
 
-def liveness_trace(problem: Problem, schedule: list[int] | np.ndarray) -> _Trace:
-    """The liveness kernel's whole record of a schedule (`_Trace`): live bytes, the copy each read takes and when
-    each output is freed, for a search that moves copies (`anneal`)."""
-    return _trace(problem, schedule)
-
-
 PRUNE_CHARGE = 256  # the least work one simulation of `prune` counts: a short schedule's time is mostly overhead
 
 
@@ -361,7 +357,7 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
     unsimulated, counts at least PRUNE_CHARGE). Returns (schedule, peak, cost, steps counted)."""
     cost, size = problem.arrays.cost, problem.arrays.size
     current = np.asarray(schedule, dtype=np.int64)
-    trace = _trace(problem, current)
+    trace = liveness_trace(problem, current)
     peak = max(int(trace.during.max()), problem.static_bytes) if len(current) else problem.static_bytes
     total = float(np.cumsum(cost[current])[-1]) if len(current) else 0.0
     steps = max(len(current), PRUNE_CHARGE)
@@ -391,7 +387,7 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
             trial_kept[state.index[dead]] = False
             while True:  # drop any copy that still serves nobody, until none is left
                 trial = current[trial_kept]
-                result = _trace(problem, trial)
+                result = liveness_trace(problem, trial)
                 steps += max(len(trial), PRUNE_CHARGE)
                 if not result.unread.any():
                     break
@@ -458,7 +454,7 @@ class _PruneState:
 def freed_after(problem: Problem, schedule: list[int]) -> list[int]:
     """Per position, the position after which its output is freed, by `profile`'s rules (the schedule's length:
     held to the end of the run)."""
-    return _trace(problem, schedule).end.tolist() if len(schedule) else []
+    return liveness_trace(problem, schedule).end.tolist() if len(schedule) else []
 
 
 def unread_copies(problem: Problem, schedule: list[int]) -> list[int]:
