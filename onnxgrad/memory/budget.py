@@ -61,16 +61,22 @@ COSTS = ("model", "prices", "profile")
 # too many movable ops for the local search and are not pruned; on the 30-op random DAG's least peak (60 ops with
 # the backward) it cuts the cost from 515 to 190; a front of 800 ops stays under 1 s (BENCHMARKS.md).
 PRUNE_WORK_PER_OP = 2000
+# The least schedule steps the annealing of the plan for a budget spends (`solvers.anneal`): on small problems each
+# simulation is mostly overhead and counts PRUNE_CHARGE, so 2000 steps per op would buy a few hundred moves per
+# search; with this many the 30-op random DAGs' plans come within 1.10x of CP-SAT's best, for about 1.5 s
+# (BENCHMARKS.md, "Fifth round: copies placed one by one"). Problems over 800 ops spend their 2000 per op.
+ANNEAL_LEAST_WORK = 1_600_000
 
 
 def solver_limits(problem: solvers.Problem, work: int = solvers.DEFAULT_WORK, time_limit: float = 60.0,
                   workers: int = 2, target: int | None = None) -> solvers.Limits:
     """What the solvers may spend on `problem`, the fast solver's front pruned (`PRUNE_WORK_PER_OP`), the
     schedules under `target` (the problem's budget) first, and the cheapest under it annealed with as much work
-    again: the one front that `mirror --budget` chooses from and `mirror --sweep` draws."""
+    again (at least ANNEAL_LEAST_WORK): the one front that `mirror --budget` chooses from and `mirror --sweep`
+    draws."""
     extra = max(work, PRUNE_WORK_PER_OP * problem.n)
     return solvers.Limits(work=work, time_limit=time_limit, workers=workers, prune_work=extra, prune_below=target,
-                          anneal_work=extra)
+                          anneal_work=max(extra, ANNEAL_LEAST_WORK))
 
 
 def problem_front(problem: solvers.Problem, options: MirrorOptions, unmirrored_peak: int) -> solvers.Front:

@@ -367,21 +367,16 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
         recomputed = np.flatnonzero(~firsts)
         order = recomputed[np.lexsort((recomputed, -cost[current[recomputed]]))]
         kept = np.ones(len(current), dtype=bool)  # positions of `current` in the schedule tried last
-        state = _PruneState(trace, firsts)
+        state = RemovalCheck(trace, firsts)
         taken_out = False
         for q in order.tolist():
             if not kept[q]:
                 continue
             if steps >= work:
                 return current[kept].tolist(), peak, total, steps
-            t = int(state.where[q])
-            dead = state.dead_with(t)
-            v = int(current[q])
-            before = np.flatnonzero(state.trace.ops[:t] == v)
-            held_from = state.end[int(before[-1])] + 1 if len(before) else t
-            until = state.unchanged_until(dead, size)
-            if held_from < until and int(state.trace.during[held_from:until].max()) + int(size[v]) > budget:
-                steps += max(until - held_from + len(dead), PRUNE_CHARGE)  # the scans, at least a simulation's charge
+            dead, scanned = state.removal(int(state.where[q]), size, budget)
+            if scanned:
+                steps += max(scanned, PRUNE_CHARGE)  # the scans, at least a simulation's charge
                 continue
             trial_kept = kept.copy()
             trial_kept[state.index[dead]] = False
@@ -396,15 +391,15 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
             if trial_peak <= budget:
                 kept, taken_out = trial_kept, True
                 peak, total = trial_peak, float(np.cumsum(cost[result.ops])[-1])
-                state = _PruneState(result, firsts[kept], kept)
+                state = RemovalCheck(result, firsts[kept], kept)
         if not taken_out:
             return current.tolist(), peak, total, steps
         current, trace = current[kept], state.trace
 
 
-class _PruneState:
-    """A schedule `prune` is trying, as positions of the pass's schedule (`kept`), its trace, and the readers of
-    each of its copies (as lists: the searches below walk them one read at a time)."""
+class RemovalCheck:
+    """A schedule `prune` or `anneal` is trying, as positions of the pass's schedule (`kept`), its trace, and the
+    readers of each of its copies (as lists: the searches below walk them one read at a time)."""
 
     def __init__(self, trace: _Trace, firsts: np.ndarray, kept: np.ndarray | None = None):
         self.trace, self.firsts = trace, firsts.tolist()
@@ -419,6 +414,20 @@ class _PruneState:
         # the steps that read each copy, in order: copy c's are read_by[read_from[c]:read_from[c + 1]]
         self.read_by = trace.reader[np.argsort(trace.taken, kind="stable")].tolist()
         self.read_from = np.concatenate(([0], np.cumsum(readers))).tolist()
+
+    def removal(self, t: int, size: np.ndarray, budget: int) -> tuple[list[int], int]:
+        """Taking out the copy at step t: the steps that go with it (`dead_with`), and 0, or the steps scanned
+        when the copy before it, held longer, breaks `budget` on the steps that change in no other way (up to
+        `unchanged_until`): the removal is then refused without a simulation."""
+        dead = self.dead_with(t)
+        ops = self.trace.ops
+        v = int(ops[t])
+        before = np.flatnonzero(ops[:t] == v)
+        held_from = self.end[int(before[-1])] + 1 if len(before) else t
+        until = self.unchanged_until(dead, size)
+        if held_from < until and int(self.trace.during[held_from:until].max()) + int(size[v]) > budget:
+            return dead, until - held_from + len(dead)
+        return dead, 0
 
     def dead_with(self, t: int) -> list[int]:
         """Step t and the recomputed copies that only it, or copies dead in turn, read."""
