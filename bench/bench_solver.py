@@ -10,6 +10,8 @@ exact (Checkmate MILP) optimum on small problems.
                                                         # CPU seconds of `solvers.front` and a digest of its front
     .venv/bin/python bench/bench_solver.py --rises --front-seeds 1,2,3,4   # does the cost rise with the budget,
                                                                            # pruning under each budget first?
+    .venv/bin/python bench/bench_solver.py --dags --front-seeds 1,2,3,4 [--cp-time 30]   # the fast plan as mirror
+                                                        # --budget makes it against CP-SAT from it, on 30-op DAGs
 
 `--front`: for uniform chains and random training DAGs (`--front-seeds`, default 1) of n forward ops, the CPU
 seconds of `solvers.front` (best of 3, `time.process_time`), its number of points and a digest of their (peak,
@@ -246,6 +248,33 @@ def tanh_table(cp_time: float) -> None:
                   f"{'-' if bound is None else f'{bound / bp.forward_cost:.3f}'} |", flush=True)
 
 
+def dags_table(seeds: list[int], cp_time: float) -> None:
+    """On random 30-op DAGs, at four budgets from the least peak toward the plain peak (0, 25, 50 and 75% of the
+    way): the fast plan made as `mirror --budget` makes it (`budget.solver_limits`: the front pruned toward the
+    budget, its cheapest plan under it annealed), its seconds, and CP-SAT's plan from it as a hint."""
+    from onnxgrad.memory.budget import solver_limits
+    print("| DAG seed | budget | fast extra | fast s | CP-SAT from it (status, gap) | fast / CP-SAT |")
+    print("|---|---|---|---|---|---|")
+    total = [0.0, 0.0]
+    worst = 1.0
+    for seed in seeds:
+        problem = random_training_dag(30, seed)
+        low, top = solvers.front(problem).least_peak, problem.baseline_peak
+        for j in range(4):
+            budget = low + (top - low) * j // 4
+            started = time.perf_counter()
+            fast = solvers.front(problem, solver_limits(problem, target=budget)).best_under(budget)
+            fast_s = time.perf_counter() - started
+            exact = solvers.solve_cp(problem, budget, solvers.Limits(time_limit=cp_time), hint=fast)
+            ratio = fast.extra_cost / exact.extra_cost if exact.extra_cost else 1.0
+            worst = max(worst, ratio)
+            total[0] += fast.extra_cost
+            total[1] += exact.extra_cost
+            print(f"| {seed} | {budget} | {fast.extra_cost:g} | {fast_s:.2f} | {exact.extra_cost:g} ({exact.status}, "
+                  f"{exact.gap:.0%}) | {ratio:.3f} |", flush=True)
+    print(f"\nsum of extra costs: fast {total[0]:g}, CP-SAT {total[1]:g}; worst fast / CP-SAT {worst:.3f}")
+
+
 def front_problem(kind: str, n: int, seed: int = 1):
     return chain(n) if kind == "chain" else random_training_dag(n, seed)
 
@@ -367,6 +396,9 @@ def main() -> None:
                         help="only where the pruned plan's cost rises with the budget (random 30-op DAGs, seeds "
                              "--front-seeds, pruning work --rise-work)")
     parser.add_argument("--rise-work", default="5000,400000")
+    parser.add_argument("--dags", action="store_true",
+                        help="only the fast plan as mirror --budget makes it against CP-SAT from it, on random 30-op "
+                             "DAGs (seeds --front-seeds), within --cp-time seconds")
     parser.add_argument("--front-one", help=argparse.SUPPRESS)  # kind:n:seed, as JSON (the peer's process)
     parser.add_argument("--code", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -379,6 +411,9 @@ def main() -> None:
         return
     if args.bound:
         bound_table(args.bound, args.milp_time)
+        return
+    if args.dags:
+        dags_table([int(s) for s in args.front_seeds.split(",")], args.cp_time)
         return
     if args.rises:
         rises_table([int(s) for s in args.front_seeds.split(",")], [int(w) for w in args.rise_work.split(",")])

@@ -11,7 +11,7 @@ of each schedule on the front the recomputations that a copy made before can ser
 schedule's own peak: a value held, recomputed, then held again, which no staged plan says. `mirror --budget` asks
 for it (`budget.PRUNE_WORK_PER_OP`), for the schedules under its budget, the closest first (`prune_below`): the
 work goes where the answer is, not to the long schedules at the least peak. With `anneal_work` too, the
-cheapest schedule under that budget is last annealed (`anneal.py`): copies put in, taken out and moved.
+cheapest schedule under that budget is last annealed (`anneal.py`): copies put in, taken out, moved and reordered.
 """
 from __future__ import annotations
 
