@@ -19,8 +19,8 @@ read takes leave the schedule after each move. The random stream is seeded and t
 steps, so the same input gives the same schedule; the result is the cheapest schedule met, never worse than the
 start.
 
-On four 30-op random DAGs, four budgets each, this takes the fast solver's plans to within 1.10x of CP-SAT's best
-(BENCHMARKS.md, "Fifth round: copies placed one by one").
+On four 30-op random DAGs, four budgets each, the fast solver's plans come within 1.10x of CP-SAT's at 15 of the
+16 budgets (BENCHMARKS.md, "Fifth round: copies placed one by one").
 """
 from __future__ import annotations
 
