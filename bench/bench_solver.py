@@ -4,7 +4,7 @@ exact (Checkmate MILP) optimum on small problems.
     .venv/bin/python bench/bench_solver.py [--sizes 100,1000,10000] [--milp-time 60] [--no-milp]
     .venv/bin/python bench/bench_solver.py --solvers [--cp-time 60]     # every solver against the optimum, and
                                                                         # the Gemm+Tanh chains
-        [--prune 400000 --anneal 400000]   # the fast plan of each budget pruned and annealed, as mirror makes it
+        [--prune 400000 --anneal 1600000]  # the fast plan of each budget pruned and annealed, as mirror makes it
     .venv/bin/python bench/bench_solver.py --bound 150 [--milp-time 20]  # the lower bound against HiGHS's optima
     .venv/bin/python bench/bench_solver.py --front [--front-sizes 100,500,10000] [--front-seeds 1,2] [--against DIR]
                                                         # CPU seconds of `solvers.front` and a digest of its front
