@@ -7,7 +7,8 @@ out; this search also puts copies in, moves them and reorders them. Three moves,
 
 - evict: at the schedule's peak, take a value that is held across it and not read there, and recompute it
   just before its next reader (sometimes with the movable values it reads, so that their copies are not held
-  longer instead): the peak falls and the cost rises;
+  longer instead): the peak falls and the cost rises. Half the evictions also take a copy out elsewhere in the
+  same move, so that a schedule at the budget can trade one copy for another;
 - remove: take a copy out (its readers read the run before it, held longer). When that run, held longer, breaks
   the budget on the steps that change in no other way, the move is refused before it is simulated, as `prune`
   refuses it (`RemovalCheck.removal`);
@@ -34,6 +35,7 @@ from .problem import PRUNE_CHARGE, Problem, RemovalCheck, liveness_trace
 SHIFT = 6  # the most positions a copy moves in one shift
 EVICT_SHARE, REMOVE_SHARE = 0.4, 0.35  # of the moves drawn; the rest are shifts
 WITH_INPUTS = 0.5  # share of evictions that recompute the value's movable inputs with it
+WITH_REMOVAL = 0.5  # share of evictions that also take a copy out, in the same move
 CHAINS = 6  # independent searches from the start, each with its own seed and a share of the work
 START_TEMPERATURE = 2.0  # times the mean cost of a movable op: an extra cost of two such ops taken with probability
 # 1/e at first
@@ -155,7 +157,11 @@ def _moved(problem: Problem, rng: random.Random, state: _State, budget: int) -> 
         if rng.random() < WITH_INPUTS:
             movable = problem.movable
             runs = sorted(i for i in problem.reads[value] if movable[i]) + runs
-        return np.concatenate((ops[:reader], np.asarray(runs, dtype=np.int64), ops[reader:])), 0
+        trial = np.concatenate((ops[:reader], np.asarray(runs, dtype=np.int64), ops[reader:]))
+        if state.copies and rng.random() < WITH_REMOVAL:
+            q = state.copies[rng.randrange(len(state.copies))]
+            trial = np.delete(trial, q + len(runs) if q >= reader else q)
+        return trial, 0
     if not state.copies:
         return None, CHECK_CHARGE
     q = state.copies[rng.randrange(len(state.copies))]
