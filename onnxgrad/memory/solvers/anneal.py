@@ -30,7 +30,7 @@ import random
 
 import numpy as np
 
-from .problem import PRUNE_CHARGE, Problem, RemovalCheck, liveness_trace
+from .problem import PRUNE_CHARGE, Problem, RemovalCheck, first_runs, liveness_trace, trace_peak
 
 SHIFT = 6  # the most positions a copy moves in one shift
 EVICT_SHARE, REMOVE_SHARE = 0.4, 0.35  # of the moves drawn; the rest are shifts
@@ -74,10 +74,8 @@ class _State:
         self.trace = trace if trace is not None else liveness_trace(problem, ops)
         self.cost = cost if cost is not None else (float(np.cumsum(problem.arrays.cost[ops])[-1]) if len(ops)
                                                    else 0.0)
-        self.peak = _peak(problem, self.trace)
-        first = np.zeros(len(ops), dtype=bool)
-        first[np.unique(ops, return_index=True)[1]] = True
-        self.first = first
+        self.peak = trace_peak(problem, self.trace)
+        self.first = first = first_runs(ops)
         self.first_run = np.full(problem.n, len(ops), dtype=np.int64)
         self.first_run[ops[first]] = np.flatnonzero(first)
         self.copies = np.flatnonzero(~first).tolist()
@@ -99,8 +97,9 @@ class _State:
             self._evictable = []
             for copy in np.flatnonzero(held).tolist():
                 later = trace.reader[(trace.taken == copy) & (trace.reader > at)]
-                if len(later) and int(later.min()) >= self.backward_from:
-                    self._evictable.append((int(ops[copy]), int(later.min())))
+                reader = int(later.min()) if len(later) else -1
+                if reader >= self.backward_from:
+                    self._evictable.append((int(ops[copy]), reader))
         return self._evictable
 
     def check(self) -> RemovalCheck:
@@ -128,7 +127,7 @@ def _chain(problem: Problem, state: _State, budget: int, work: int, start_temper
             if not result.unread.any():
                 break
             trial = trial[~result.unread]
-        peak = _peak(problem, result)
+        peak = trace_peak(problem, result)
         if peak > budget:
             continue
         cost = float(np.cumsum(cost_of[trial])[-1])
@@ -138,10 +137,6 @@ def _chain(problem: Problem, state: _State, budget: int, work: int, start_temper
             if cost < best[2] - 1e-9:
                 best = (trial, peak, cost)
     return best, steps
-
-
-def _peak(problem: Problem, trace) -> int:
-    return max(int(trace.during.max()), problem.static_bytes) if len(trace.ops) else problem.static_bytes
 
 
 def _moved(problem: Problem, rng: random.Random, state: _State, budget: int) -> tuple[np.ndarray | None, int]:
@@ -167,11 +162,9 @@ def _moved(problem: Problem, rng: random.Random, state: _State, budget: int) -> 
     q = state.copies[rng.randrange(len(state.copies))]
     value = int(ops[q])
     if draw < EVICT_SHARE + REMOVE_SHARE:
-        size = problem.arrays.size
-        if size[value] > 0:
-            _, scanned = state.check().removal(q, size, budget)
-            if scanned:
-                return None, max(scanned, CHECK_CHARGE)
+        _, scanned = state.check().removal(q, problem.arrays.size, budget)
+        if scanned:
+            return None, max(scanned, CHECK_CHARGE)
         return np.delete(ops, q), 0
     shift = rng.randint(1, SHIFT) * (1 if rng.random() < 0.5 else -1)
     rest = np.delete(ops, q)

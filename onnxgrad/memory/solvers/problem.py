@@ -342,6 +342,18 @@ def liveness_trace(problem: Problem, schedule: list[int] | np.ndarray) -> _Trace
     return _Trace(ops, live_after, during, unread, end, np.cumsum(count) - count, count, taken, reader)
 
 
+def trace_peak(problem: Problem, trace: _Trace) -> int:
+    """The peak of a traced schedule: its most live bytes during a step, at least the static bytes."""
+    return max(int(trace.during.max()), problem.static_bytes) if len(trace.ops) else problem.static_bytes
+
+
+def first_runs(ops: np.ndarray) -> np.ndarray:
+    """Per position of a schedule, whether it is its op's first run (the others are recomputed copies)."""
+    first = np.zeros(len(ops), dtype=bool)
+    first[np.unique(ops, return_index=True)[1]] = True
+    return first
+
+
 PRUNE_CHARGE = 256  # the least work one simulation of `prune` counts: a short schedule's time is mostly overhead
 
 
@@ -358,12 +370,11 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
     cost, size = problem.arrays.cost, problem.arrays.size
     current = np.asarray(schedule, dtype=np.int64)
     trace = liveness_trace(problem, current)
-    peak = max(int(trace.during.max()), problem.static_bytes) if len(current) else problem.static_bytes
+    peak = trace_peak(problem, trace)
     total = float(np.cumsum(cost[current])[-1]) if len(current) else 0.0
     steps = max(len(current), PRUNE_CHARGE)
     while True:
-        firsts = np.zeros(len(current), dtype=bool)
-        firsts[np.unique(current, return_index=True)[1]] = True
+        firsts = first_runs(current)
         recomputed = np.flatnonzero(~firsts)
         order = recomputed[np.lexsort((recomputed, -cost[current[recomputed]]))]
         kept = np.ones(len(current), dtype=bool)  # positions of `current` in the schedule tried last
@@ -387,7 +398,7 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
                 if not result.unread.any():
                     break
                 trial_kept[np.flatnonzero(trial_kept)[result.unread]] = False
-            trial_peak = max(int(result.during.max()), problem.static_bytes) if len(trial) else problem.static_bytes
+            trial_peak = trace_peak(problem, result)
             if trial_peak <= budget:
                 kept, taken_out = trial_kept, True
                 peak, total = trial_peak, float(np.cumsum(cost[result.ops])[-1])
