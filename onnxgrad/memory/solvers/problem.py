@@ -429,8 +429,11 @@ class RemovalCheck:
     def removal(self, t: int, size: np.ndarray, budget: int) -> tuple[list[int], int]:
         """Taking out the copy at step t: the steps that go with it (`dead_with`), and 0, or the steps scanned
         when the copy before it, held longer, breaks `budget` on the steps that change in no other way (up to
-        `unchanged_until`): the removal is then refused without a simulation."""
+        `unchanged_until`): the removal is then refused without a simulation. A copy no read takes holds nothing
+        longer when it goes."""
         dead = self.dead_with(t)
+        if not self.readers[t]:
+            return dead, 0
         ops = self.trace.ops
         v = int(ops[t])
         before = np.flatnonzero(ops[:t] == v)
