@@ -4,7 +4,8 @@ Exporters compute axes, starts and shapes in little subgraphs (`Reshape(Constant
 `Cast(Constant(4))`, `Shape(x)` of a static x). Rules that need such an input to be known (the axes of a
 ReduceMean with keepdims=0, the starts of a Slice) would see run-time data. This pass evaluates every node whose
 inputs are all known and whose outputs are small integer or boolean tensors, and replaces it by a Constant node
-with the same outputs. Floating-point values are never folded, so parameters and activations stay as they are.
+with the same outputs. Floating-point values fold only as scalars computed from Constant nodes (a few elements):
+initializers of a float type are never read, so parameters and activations stay as they are.
 
 Shapes fold per dimension: `Shape(x)` of an x whose batch axis is symbolic is not a constant, but its static
 entries are known, and so is anything that only moves or combines them (`Gather(Shape(x), 1)`,
@@ -42,6 +43,16 @@ _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Mod", "Max", "Min", "Neg", "Abs", "
 
 def _small_int(a: np.ndarray) -> bool:
     return (a.dtype.kind in "iub") and a.size <= MAX_ELEMENTS
+
+
+# Float constants of at most this many elements are folded too: scalar arithmetic on Constant nodes (never on
+# initializers, which may be parameters), as TorchScript writes `ceil(h / p) * p` of a static size (MobileViT's
+# unfold: Ceil(2.0) * 2.0, cast to int64, into a Reshape's target)
+FLOAT_SCALARS = 16
+
+
+def _foldable(a: np.ndarray) -> bool:
+    return _small_int(a) or (a.dtype.kind == "f" and a.size <= FLOAT_SCALARS)
 
 
 def _constant_value(node: onnx.NodeProto) -> np.ndarray | None:
@@ -173,7 +184,7 @@ def fold_small_constants(model: onnx.ModelProto, opset: int) -> int:
         if node.domain not in ("", "ai.onnx") or node.op_type in _NO_FOLD:
             if node.op_type == "Constant" and len(node.output) == 1:
                 value = _constant_value(node)
-                if value is not None and _small_int(value):
+                if value is not None and _foldable(value):
                     known[node.output[0]] = value
             continue
         if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
@@ -210,7 +221,7 @@ def fold_small_constants(model: onnx.ModelProto, opset: int) -> int:
                     outputs = [p.values]
                 else:
                     partial[node.output[0]] = p
-        if not outputs or len(outputs) != len(node.output) or not all(_small_int(o) for o in outputs):
+        if not outputs or len(outputs) != len(node.output) or not all(_foldable(o) for o in outputs):
             continue
         if len(node.output) != 1:
             continue

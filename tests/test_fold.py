@@ -94,12 +94,53 @@ def test_a_graph_that_keeps_folding_past_the_bound_is_refused():
         fold.fold_to_fixed_point(shuffle_chain(6), max_rounds=3)
 
 
-def test_floats_are_never_folded():
+def test_floats_fold_only_as_small_constants():
+    """A float computed from constants and static sizes folds (a few elements); one that reads a float
+    initializer (it may be a parameter) or has more elements does not."""
     m = _model([h.make_node("Shape", ["x"], ["s"]), h.make_node("Cast", ["s"], ["f"], to=T.FLOAT),
                 h.make_node("Mul", ["f", "f"], ["ff"])],
                [h.make_tensor_value_info("x", T.FLOAT, [2, 3])], [h.make_tensor_value_info("ff", T.FLOAT, None)])
     fold.fold_to_fixed_point(m)
-    assert [n.op_type for n in m.graph.node] == ["Constant", "Cast", "Mul"]
+    assert [n.op_type for n in m.graph.node] == ["Constant"] * 3
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(m.graph.node[2].attribute[0].t), [4.0, 9.0])
+    big = np.arange(fold.FLOAT_SCALARS + 1, dtype=np.float32)
+    m = _model([h.make_node("Constant", [], ["two"], value=onnx.numpy_helper.from_array(np.float32(2.0), "")),
+                h.make_node("Mul", ["a", "two"], ["a2"]),
+                h.make_node("Constant", [], ["big"], value=onnx.numpy_helper.from_array(big, "")),
+                h.make_node("Mul", ["big", "two"], ["big2"])],
+               [], [h.make_tensor_value_info("a2", T.FLOAT, None), h.make_tensor_value_info("big2", T.FLOAT, None)],
+               [onnx.numpy_helper.from_array(np.float32(0.5), "a")])
+    fold.fold_to_fixed_point(m)
+    assert [n.op_type for n in m.graph.node] == ["Constant", "Mul", "Constant", "Mul"]
+
+
+def test_a_reshape_target_computed_in_floats_folds_and_the_conv_after_it_builds():
+    """MobileViT's unfold as TorchScript writes it: the target's sizes are ceil(2.0) * 2.0 in floats, cast to
+    int64. Without folding them, the Conv after the Reshape had unknown spatial dims and no gradient."""
+    f32 = lambda v: onnx.numpy_helper.from_array(np.float32(v), "")  # noqa: E731
+    i64 = lambda v: onnx.numpy_helper.from_array(np.array(v, np.int64), "")  # noqa: E731
+    nodes = [h.make_node("Constant", [], ["two"], value=f32(2.0)),
+             h.make_node("Ceil", ["two"], ["c"]), h.make_node("Mul", ["c", "two"], ["side"]),
+             h.make_node("Cast", ["side"], ["side_i"], to=T.INT64),
+             h.make_node("Constant", [], ["ax"], value=i64([0])),
+             h.make_node("Unsqueeze", ["side_i", "ax"], ["s1"]),
+             h.make_node("Constant", [], ["head"], value=i64([2, 3])),
+             h.make_node("Concat", ["head", "s1", "s1"], ["target"], axis=0),
+             h.make_node("Reshape", ["x", "target"], ["img"]),
+             h.make_node("Conv", ["img", "w"], ["y"], pads=[1, 1, 1, 1]),
+             h.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    w = onnx.numpy_helper.from_array(np.linspace(-1, 1, 4 * 3 * 9, dtype=np.float32).reshape(4, 3, 3, 3), "w")
+    m = _model(nodes, [h.make_tensor_value_info("x", T.FLOAT, [2, 48])],
+               [h.make_tensor_value_info("loss", T.FLOAT, [])], [w])
+    train = onnxgrad.build_gradient(m)
+    import onnxruntime as ort
+    x = np.random.default_rng(0).standard_normal((2, 48)).astype(np.float32)
+    out = dict(zip([o.name for o in train.graph.output],
+                   ort.InferenceSession(train.SerializeToString()).run(None, {"x": x})))
+    img = np.pad(x.reshape(2, 3, 4, 4), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    expected = np.stack([img[:, :, i:i + 4, j:j + 4].sum(axis=(0, 2, 3)) for i in range(3) for j in range(3)], -1)
+    np.testing.assert_allclose(out["w_grad"], np.broadcast_to(expected.reshape(1, 3, 3, 3), (4, 3, 3, 3)),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_a_deep_shuffle_chain_builds_and_matches_numpy():

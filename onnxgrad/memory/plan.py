@@ -94,6 +94,13 @@ def apply(graph: Graph, plan: Plan, names) -> dict[str, list[Node]]:
             original = by_name[step[0]]
             if original.phase != FORWARD:
                 raise InternalError(f"the plan recomputes {step[0]!r}, which is not a forward node")
+            if _passes_through(original):
+                # a copy of a no-op reads what its original read: onnxruntime removes such a node, and a copy
+                # of a same-type Cast removed so (CastElimination at ORT_ENABLE_ALL) left its readers reading
+                # a value no node made (a T5's RMS norm recomputed: the session could not be created)
+                source = original.inputs[0]
+                latest[id(original.outputs[0])] = latest.get(id(source), source)
+                continue
             base = original.name + MIRROR_SUFFIX
             node_name = names.fresh(base)
             outs = [names.fresh(v.name + MIRROR_SUFFIX) if v.name else "" for v in original.outputs]
@@ -112,6 +119,15 @@ def apply(graph: Graph, plan: Plan, names) -> dict[str, list[Node]]:
     graph.reorder(new_order)
     graph.values.pop("", None)
     return clones
+
+
+def _passes_through(node: Node) -> bool:
+    """An Identity, or a Cast to the type its input has: its output is its input."""
+    if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1 or not node.inputs or node.inputs[0] is None:
+        return False
+    if node.op_type == "Identity":
+        return True
+    return node.op_type == "Cast" and bool(node.inputs[0].elem_type) and node.attr("to") == node.inputs[0].elem_type
 
 
 def _read_latest(node: Node, latest: dict[int, Value]) -> None:

@@ -20,7 +20,7 @@ from onnx import TensorProto
 from ..builder import Builder
 from ..contract import BACKWARD, FORWARD, LOSS_KEY, RECOMPUTE, RUNTIME_HINTS, SEED_TIE
 from ..ir import Graph, Node, Value
-from ..memory.simulate import shares_buffer
+from ..memory.simulate import ALIASES, shares_buffer
 from ..pipeline import Build, Pass
 from .results import ScheduleResult
 
@@ -134,7 +134,12 @@ def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
     file, which then run late and hold back the tied node, while the nodes after it run early (on a ResNet-50
     near its floor that kept 20% more than the plan). Nor is a Transpose (UNSTABLE_SOURCES): the transpose
     optimizer pushes it through the tie's Slice, and the tie then waits for a new Transpose (a dynamo ResNet-50
-    at 0.7x kept 39% more than its budget). Returns the number of nodes so tied."""
+    at 0.7x kept 39% more than its budget). A view (Reshape, Squeeze, ...) whose every reader depends on the
+    gradient is not tied: it holds no buffer of its own, its readers wait anyway, and a Reshape tied through
+    another Reshape is a pair onnxruntime merges into one late-numbered node that drops the tie (a depthwise
+    Conv's weight gradient then waited for it while all 49 slices of dy ran). Returns the number of nodes so
+    tied."""
+    waits_anyway = _views_read_after_the_gradient(graph, seeds)
     dependent = {id(v) for v in seeds}
     order: list[Node] = []
     zero_of: dict[int, Value] = {}  # id(gradient value) -> its one-element ArgMax (an int64 [1] holding 0)
@@ -143,7 +148,7 @@ def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
     for node in list(graph.nodes):
         inputs = [v for v in node.all_inputs if v is not None]
         if (node.phase in (BACKWARD, RECOMPUTE) and source is not None and _large(node)
-                and not any(id(v) in dependent for v in inputs)):
+                and not any(id(v) in dependent for v in inputs) and id(node) not in waits_anyway):
             # a float activation: shape tensors stay as they are (small, and onnxruntime's Reshape fusion
             # mistypes a Reshape whose shape input is itself tied)
             # (a forward value, else a graph input or weight: a recomputed first layer reads only those, and
@@ -179,6 +184,28 @@ def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
     if tied:
         graph.reorder(order)
     return tied
+
+
+def _views_read_after_the_gradient(graph: Graph, seeds: list[Value]) -> set[int]:
+    """ids of the view nodes (ALIASES, Identity) that do not depend on the gradient but whose outputs are read,
+    and only read, by nodes that do; no graph output among them."""
+    dependent = {id(v) for v in seeds}
+    readers: dict[int, list[Node]] = {}
+    for node in graph.nodes:
+        for v in node.all_inputs:
+            if v is not None:
+                readers.setdefault(id(v), []).append(node)
+        if any(v is not None and id(v) in dependent for v in node.all_inputs):
+            dependent.update(id(o) for o in node.outputs)
+    outputs = {id(v) for v in graph.outputs}
+    views = set()
+    for node in graph.nodes:
+        if ((node.op_type in ALIASES or node.op_type == "Identity") and node.domain in ("", "ai.onnx")
+                and not any(id(o) in dependent or id(o) in outputs for o in node.outputs)):
+            read = [r for o in node.outputs for r in readers.get(id(o), [])]
+            if read and all(any(v is not None and id(v) in dependent for v in r.all_inputs) for r in read):
+                views.add(id(node))
+    return views
 
 
 # Producers whose results onnxruntime's optimizers rewrite into new, late-numbered nodes when a tie reads

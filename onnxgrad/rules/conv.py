@@ -145,6 +145,10 @@ def _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shi
     """Per kernel offset k (in C order): (dy_k, x_k), channel-first [C, N, ...] tensors (or [N, C, ...] as given)
     whose elementwise product summed over all but the channel axis is that offset's term of dw.
 
+    A generator: each offset's slice is written when the caller asks for it, just before the product that reads
+    it, so one slice at a time is live (all of them written first held kernel-size copies of dy at once: 49 on
+    a 7x7 depthwise Conv, 9 on a 3x3).
+
     shift="gy": x is split once into its stride phases x_r[i] = x[i*s + r] (a partition of x; for stride 1 x
     itself), and dy, padded once, is sliced per offset: x position o*s + t (t = k*d - begin = q*s + r) is
     x_r[o + q], so dy_k[i] = dy[i - q] on phase r's grid.
@@ -156,7 +160,6 @@ def _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shi
     first = [1, 0, *range(2, n + 2)]
     xt, gyt = (op.Transpose(x, perm=first), op.Transpose(gy, perm=first)) if channel_first else (x, gy)
     offsets = list(np.ndindex(*kernel))
-    pairs = []
     if shift == "x":
         need = [max(0, (o - 1) * s + (k - 1) * d - b - size + 1)
                 for size, o, k, s, d, b in zip(sizes, out, kernel, strides, dilations, begin)]
@@ -165,8 +168,8 @@ def _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shi
         for k in offsets:
             starts = [kk * d for kk, d in zip(k, dilations)]
             ends = [st + (o - 1) * s + 1 for st, o, s in zip(starts, out, strides)]
-            pairs.append((gyt, op.Slice(xt, op.ints(starts), op.ints(ends), axes, op.ints(strides))))
-        return pairs
+            yield gyt, op.Slice(xt, op.ints(starts), op.ints(ends), axes, op.ints(strides))
+        return
     # shift == "gy"
     plan = []
     for k in offsets:
@@ -185,8 +188,7 @@ def _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shi
                 op.Slice(xt, op.ints(r), op.ints([2**62] * n), axes, op.ints(strides))
         starts = [p - q for p, (_, q) in zip(pad_begin, rq)]
         dy_k = op.Slice(gyt, op.ints(starts), op.ints([st + ln for st, ln in zip(starts, lengths)]), axes)
-        pairs.append((dy_k, phases[r]))
-    return pairs
+        yield dy_k, phases[r]
 
 
 def _weight_grad_by_offsets(ctx, x, gy, group, m, c_per_group, sizes, out, kernel, strides, dilations, begin,
