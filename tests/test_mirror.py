@@ -308,6 +308,23 @@ def test_a_recomputed_no_op_is_not_copied():
     ort.InferenceSession(result.model.SerializeToString(), so, providers=["CPUExecutionProvider"], **extra)
 
 
+def test_a_tied_reshape_keeps_its_place_in_onnxruntime(tmp_path):
+    """Four grouped 3x3 Convs (four channels per group) with Tanh: each weight gradient is a Conv of x and dy
+    reshaped, and x's Reshape waits for the gradient. Tied through a Reshape of x, the pair was merged by
+    onnxruntime into one node numbered after the file's and run last, keeping x and a copy of dy per layer to the
+    end (40.5 MiB measured, 28.0 simulated); tied through its target, onnxruntime keeps to the simulation."""
+    nodes, inits, x = [], [], "x"
+    for i in range(4):
+        nodes += [h.make_node("Conv", [x, f"w{i}"], [f"z{i}"], group=16, pads=[1] * 4, name=f"conv{i}"),
+                  h.make_node("Tanh", [f"z{i}"], [f"a{i}"], name=f"act{i}")]
+        inits.append(weight(f"w{i}", 64, 4, 3, 3))
+        x = f"a{i}"
+    nodes.append(h.make_node("ReduceSum", [x], ["loss"], keepdims=0, name="sum"))
+    train = onnxgrad.build(model_of(nodes, [("x", [16, 64, 32, 32])], [("loss", [])], inits)).model
+    predicted, measured = simulated_and_measured(train, tmp_path / "train.onnx")
+    assert measured <= 1.05 * predicted, (measured, predicted)
+
+
 @pytest.mark.parametrize("group, kernel", [(16, 7), (1, 3)])
 def test_a_conv_weight_gradient_holds_one_slice_of_dy_at_a_time(tmp_path, group, kernel):
     """The weight gradient of a Conv over 16 channels of 64 x 64 (batch 8: 2 MiB a tensor), summed per kernel
