@@ -107,11 +107,11 @@ def conv(ctx):
             raise ctx.unsupported(f"output size {o} does not follow from input {size}, kernel {k}, stride {s}, "
                                   f"dilation {d}, pads ({b}, {e})")
     gx = gw = gb = None
-    if ctx.needs(0):
-        gx = _conv_transpose_onto(ctx, gy, w, sizes, out, kernel, strides, dilations, begin, group)
     if ctx.needs(1):
         gw = _conv_weight_grad(ctx, x, w, gy, group, sizes, out, kernel, strides, dilations, begin, end,
                                shift="gy")
+    if ctx.needs(0):
+        gx = _conv_transpose_onto(ctx, gy, w, sizes, out, kernel, strides, dilations, begin, group)
     if ctx.needs(2):
         gb = op.ReduceSum(gy, op.ints([0, *range(2, len(sizes) + 2)]), keepdims=0)
     return [gx, gw, gb][:ctx.num_inputs]
@@ -187,8 +187,10 @@ def _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shi
             phases[r] = xt if all(s == 1 for s in strides) else \
                 op.Slice(xt, op.ints(r), op.ints([2**62] * n), axes, op.ints(strides))
         starts = [p - q for p, (_, q) in zip(pad_begin, rq)]
-        dy_k = op.Slice(gyt, op.ints(starts), op.ints([st + ln for st, ln in zip(starts, lengths)]), axes)
-        yield dy_k, phases[r]
+        ends = [st + ln for st, ln in zip(starts, lengths)]
+        whole = not any(starts) and ends == list(gyt.shape[2:]) if gyt.shape is not None else False
+        # (a 1x1 kernel at stride 1 reads dy whole: a Slice of all of it would be a copy)
+        yield (gyt if whole else op.Slice(gyt, op.ints(starts), op.ints(ends), axes)), phases[r]
 
 
 def _weight_grad_by_offsets(ctx, x, gy, group, m, c_per_group, sizes, out, kernel, strides, dilations, begin,
