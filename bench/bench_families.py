@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT))
 
-from bench_real_budget import least_budget, mib, onnxgrad, run  # noqa: E402
+from bench_real_budget import EXPORT_LOSS, least_budget, mib, onnxgrad, run  # noqa: E402
 
 EXPORT = r"""
 import sys, warnings, torch, torch.nn.functional as F
@@ -87,21 +87,10 @@ FAMILIES = {
                                                 num_heads=4, decoder_start_token_id=0))),
 }
 net, loss, args, names = FAMILIES[name]()
-
-class Model(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.net = net
-    def forward(self, *inputs):
-        return loss(*inputs)
-
-model = Model().eval()
-if exporter == "dynamo":
-    torch.onnx.export(model, args, out, input_names=names, output_names=["loss"], opset_version=18, dynamo=True,
-                      optimize=True, external_data=False)
-else:
-    torch.onnx.export(model, args, out, input_names=names, output_names=["loss"], opset_version=17, dynamo=False)
+train_mode = False
 """
+EXPORT += EXPORT_LOSS
+
 
 # the batch per family: activations of tens of MiB at the widths above
 BATCH = {"convnext": 32, "mobilenetv2": 32, "mobilevit": 32, "regnet": 32, "swin": 32, "deit": 32,

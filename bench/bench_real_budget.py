@@ -85,7 +85,11 @@ elif name == "bert":
     types = torch.zeros_like(ids)
     types[:, 64:] = 1
     args, names = (ids, types, torch.randint(0, 2, (batch,))), ["input_ids", "token_type_ids", "labels"]
+"""
 
+# the export of `loss(*args)` as a model (net's parameters its initializers), in the mode `train_mode` says; the
+# tail of every export script here and in bench_families.py
+EXPORT_LOSS = r"""
 class Model(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -102,6 +106,7 @@ else:
     torch.onnx.export(model, args, out, input_names=names, output_names=["loss"], opset_version=17, dynamo=False,
                       **extra)
 """
+EXPORT += EXPORT_LOSS
 
 BATCH = {"resnet50": 8, "gpt2": 4, "bert": 8, "vit": 4}
 
