@@ -188,8 +188,8 @@ def _offset_pairs(ctx, x, gy, sizes, out, kernel, strides, dilations, begin, shi
                 op.Slice(xt, op.ints(r), op.ints([2**62] * n), axes, op.ints(strides))
         starts = [p - q for p, (_, q) in zip(pad_begin, rq)]
         ends = [st + ln for st, ln in zip(starts, lengths)]
-        whole = not any(starts) and ends == list(gyt.shape[2:]) if gyt.shape is not None else False
         # (a 1x1 kernel at stride 1 reads dy whole: a Slice of all of it would be a copy)
+        whole = gyt.shape is not None and not any(starts) and ends == list(gyt.shape[2:])
         yield (gyt if whole else op.Slice(gyt, op.ints(starts), op.ints(ends), axes)), phases[r]
 
 
