@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ..contract import BACKWARD, FORWARD, MIRROR_SUFFIX, RECOMPUTE
 from ..errors import InternalError
 from ..ir import Graph, Node, Value
+from .simulate import passes_through
 
 Step = str | tuple[str, str]  # a node name, or (forward node name, "recompute")
 
@@ -94,7 +95,7 @@ def apply(graph: Graph, plan: Plan, names) -> dict[str, list[Node]]:
             original = by_name[step[0]]
             if original.phase != FORWARD:
                 raise InternalError(f"the plan recomputes {step[0]!r}, which is not a forward node")
-            if _passes_through(original):
+            if passes_through(original):
                 # a copy of a no-op reads what its original read: onnxruntime removes such a node, and a copy
                 # of a same-type Cast removed so (CastElimination at ORT_ENABLE_ALL) left its readers reading
                 # a value no node made (a T5's RMS norm recomputed: the session could not be created)
@@ -119,15 +120,6 @@ def apply(graph: Graph, plan: Plan, names) -> dict[str, list[Node]]:
     graph.reorder(new_order)
     graph.values.pop("", None)
     return clones
-
-
-def _passes_through(node: Node) -> bool:
-    """An Identity, or a Cast to the type its input has: its output is its input."""
-    if node.domain not in ("", "ai.onnx") or len(node.outputs) != 1 or not node.inputs or node.inputs[0] is None:
-        return False
-    if node.op_type == "Identity":
-        return True
-    return node.op_type == "Cast" and bool(node.inputs[0].elem_type) and node.attr("to") == node.inputs[0].elem_type
 
 
 def _read_latest(node: Node, latest: dict[int, Value]) -> None:

@@ -143,16 +143,22 @@ def in_place_candidate(node: Node, outputs: set[int]) -> bool:
 
 
 def shares_buffer(node: Node) -> bool:
-    """Whether onnxruntime gives the node's output its first input's buffer: the view ops, and the nodes its
-    basic optimizations remove (Identity; a Cast to the type its input already has, as `x.float()` exports)."""
+    """Whether onnxruntime gives the node's output its first input's buffer: the view ops, the nodes its basic
+    optimizations remove (`passes_through`) and folded transposes."""
     if node.domain not in ("", "ai.onnx") or not node.inputs or node.inputs[0] is None or not node.outputs:
         return False
-    if node.op_type in ALIASES or node.op_type == "Identity":
+    return node.op_type in ALIASES or passes_through(node) or folded_transpose(node)
+
+
+def passes_through(node: Node) -> bool:
+    """A node whose output is its input, which onnxruntime's basic optimizations remove: Identity, and a Cast to
+    the type its input already has (as `x.float()` exports)."""
+    if node.domain not in ("", "ai.onnx") or not node.inputs or node.inputs[0] is None or not node.outputs:
+        return False
+    if node.op_type == "Identity":
         return True
-    if node.op_type == "Cast":
-        source = node.inputs[0].elem_type
-        return bool(source) and node.attr("to") == source
-    return folded_transpose(node)
+    source = node.inputs[0].elem_type
+    return node.op_type == "Cast" and bool(source) and node.attr("to") == source
 
 
 def folded_transpose(node: Node) -> bool:

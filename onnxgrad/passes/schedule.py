@@ -125,21 +125,21 @@ def tie_seeds_to_loss(graph: Graph, seeds: list[Value], heads: list[Value], name
 
 def anchor_to_gradient(graph: Graph, seeds: list[Value], names) -> int:
     """Make every backward or recomputed node that reads a forward value but nothing that depends on the loss,
-    and writes a result large enough to matter, wait for the gradient computed just before it in the file: one of its forward inputs is read through a
-    Reshape to its own shape plus 0 (a Reshape of a forward value takes its own target plus 0), the 0 being the
-    ArgMax of one element of that gradient. Reshape shares
-    its input's buffer in onnxruntime, and the one-element slice costs nothing, so the node only gains an
-    ordering edge. A node depends on the gradient when it reads, through any path, one of the `seeds` (the
-    constant 1 of a scalar loss, or a fed `<loss>_grad`). A view (Reshape, Identity, ...) is never the gradient
-    tied to: onnxruntime's basic optimizations replace such nodes by new ones numbered after every node of the
-    file, which then run late and hold back the tied node, while the nodes after it run early (on a ResNet-50
-    near its floor that kept 20% more than the plan). Nor is a Transpose (UNSTABLE_SOURCES): the transpose
-    optimizer pushes it through the tie's Slice, and the tie then waits for a new Transpose (a dynamo ResNet-50
-    at 0.7x kept 39% more than its budget). A view (Reshape, Squeeze, ...) whose every reader depends on the
-    gradient is not tied: it holds no buffer of its own, its readers wait anyway, and a Reshape tied through
-    another Reshape is a pair onnxruntime merges into one late-numbered node that drops the tie (a depthwise
-    Conv's weight gradient then waited for it while all 49 slices of dy ran). Returns the number of nodes so
-    tied."""
+    and writes a result large enough to matter, wait for the gradient computed just before it in the file: one
+    of its forward inputs is read through a Reshape to its own shape plus 0 (a Reshape of a forward value takes
+    its own target plus 0 instead), the 0 being the ArgMax of one element of that gradient. Reshape shares its
+    input's buffer in onnxruntime, and the one-element slice costs nothing, so the node only gains an ordering
+    edge. A node depends on the gradient when it reads, through any path, one of the `seeds` (the constant 1 of
+    a scalar loss, or a fed `<loss>_grad`). A view (Reshape, Identity, ...) is never the gradient tied to:
+    onnxruntime's basic optimizations replace such nodes by new ones numbered after every node of the file,
+    which then run late and hold back the tied node, while the nodes after it run early (on a ResNet-50 near its
+    floor that kept 20% more than the plan). Nor is a Transpose (UNSTABLE_SOURCES): the transpose optimizer
+    pushes it through the tie's Slice, and the tie then waits for a new Transpose (a dynamo ResNet-50 at 0.7x
+    kept 39% more than its budget). A view (Reshape, Squeeze, ...) whose every reader depends on the gradient is
+    not tied: it holds no buffer of its own and its readers wait anyway (tied through a Reshape before it, as
+    every view once was, a Reshape made a pair onnxruntime merged into one late-numbered node without the tie: a
+    depthwise Conv's weight gradient then waited for it while all 49 slices of dy ran). Returns the number of
+    nodes so tied."""
     waits_anyway = _views_read_after_the_gradient(graph, seeds)
     dependent = {id(v) for v in seeds}
     order: list[Node] = []

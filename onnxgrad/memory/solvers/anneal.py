@@ -30,7 +30,7 @@ import random
 
 import numpy as np
 
-from .problem import PRUNE_CHARGE, Problem, RemovalCheck, first_runs, liveness_trace, trace_peak
+from .problem import PRUNE_CHARGE, Problem, RemovalCheck, first_runs, liveness_trace, trace_peak, trace_read
 
 SHIFT = 6  # the most positions a copy moves in one shift
 EVICT_SHARE, REMOVE_SHARE = 0.4, 0.35  # of the moves drawn; the rest are shifts
@@ -121,12 +121,9 @@ def _chain(problem: Problem, state: _State, budget: int, work: int, start_temper
         if trial is None:
             steps += charge
             continue
-        while True:  # a copy no read takes goes, and then any copy only it read
-            result = liveness_trace(problem, trial)
-            steps += max(len(trial), PRUNE_CHARGE)
-            if not result.unread.any():
-                break
-            trial = trial[~result.unread]
+        stays, result, counted = trace_read(problem, trial)  # a copy no read takes goes, and any only it read
+        trial = trial[stays]
+        steps += counted
         peak = trace_peak(problem, result)
         if peak > budget:
             continue

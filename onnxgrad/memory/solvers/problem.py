@@ -357,6 +357,21 @@ def first_runs(ops: np.ndarray) -> np.ndarray:
 PRUNE_CHARGE = 256  # the least work one simulation of `prune` counts: a short schedule's time is mostly overhead
 
 
+def trace_read(problem: Problem, schedule: np.ndarray) -> tuple[np.ndarray, _Trace, int]:
+    """Trace `schedule` after taking out every copy no read takes, and then any copy only those read, until
+    none is left: which positions stay (a mask over `schedule`), the trace of what stays, and the work counted
+    (each simulation at least PRUNE_CHARGE)."""
+    stays = np.ones(len(schedule), dtype=bool)
+    steps = 0
+    while True:
+        trial = schedule[stays]
+        trace = liveness_trace(problem, trial)
+        steps += max(len(trial), PRUNE_CHARGE)
+        if not trace.unread.any():
+            return stays, trace, steps
+        stays[np.flatnonzero(stays)[trace.unread]] = False
+
+
 def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tuple[list[int], int, float, int]:
     """Recomputations a schedule can do without: each, the costliest first, is taken out when the copy before
     it can serve its readers instead (it is then held longer) and the peak stays within `budget`; the copies
@@ -391,13 +406,9 @@ def prune(problem: Problem, schedule: list[int], budget: int, work: int) -> tupl
                 continue
             trial_kept = kept.copy()
             trial_kept[state.index[dead]] = False
-            while True:  # drop any copy that still serves nobody, until none is left
-                trial = current[trial_kept]
-                result = liveness_trace(problem, trial)
-                steps += max(len(trial), PRUNE_CHARGE)
-                if not result.unread.any():
-                    break
-                trial_kept[np.flatnonzero(trial_kept)[result.unread]] = False
+            stays, result, counted = trace_read(problem, current[trial_kept])
+            trial_kept[np.flatnonzero(trial_kept)[~stays]] = False
+            steps += counted
             trial_peak = trace_peak(problem, result)
             if trial_peak <= budget:
                 kept, taken_out = trial_kept, True
