@@ -3,7 +3,8 @@ records in the metadata (contract.RUNTIME_HINTS). The gradient pass appends the 
 order, which frees each activation soon after its last backward use; the mirror pass places each recomputed
 node just before its first reader. This pass checks that the order is a valid one, repairs it when a pass left
 a node before one of its inputs' producers (a stable topological sort that moves as little as possible), ties
-the backward nodes that do not depend on the gradient to it (`anchor_to_gradient`), and writes the settings.
+the backward nodes that do not depend on the gradient to it (`anchor_to_gradient`) and those after a MatMul
+onnxruntime fuses with a Transpose to that MatMul (`wait_for_fused_matmuls`), and writes the settings.
 
 The file order is the run order only while every backward node depends on the incoming gradient. onnxruntime
 numbers the nodes it creates after every node of the file: a function op it expands (SoftmaxCrossEntropyLoss
@@ -20,7 +21,7 @@ from onnx import TensorProto
 from ..builder import Builder
 from ..contract import BACKWARD, FORWARD, LOSS_KEY, RECOMPUTE, RUNTIME_HINTS, SEED_TIE
 from ..ir import Graph, Node, Value
-from ..memory.simulate import ALIASES, shares_buffer
+from ..memory.simulate import ALIASES, folded_transpose, shares_buffer
 from ..pipeline import Build, Pass
 from .results import ScheduleResult
 
@@ -36,7 +37,8 @@ class Schedule(Pass):
             graph.reorder(stable_topological_order(graph.nodes))
         names = build.new_names()
         tie_seeds_to_loss(graph, build.seeds, build.heads, names)
-        build.record(ScheduleResult(anchor_to_gradient(graph, build.seeds, names)))
+        build.record(ScheduleResult(anchor_to_gradient(graph, build.seeds, names),
+                                    wait_for_fused_matmuls(graph, names), keep_scaled_operands(graph, names)))
         graph.metadata.update(RUNTIME_HINTS)
         graph.metadata[LOSS_KEY] = ",".join(h.name for h in build.heads)
 
@@ -216,6 +218,87 @@ def _views_read_after_the_gradient(graph: Graph, seeds: list[Value]) -> set[int]
             if read and all(any(v is not None and id(v) in dependent for v in r.all_inputs) for r in read):
                 views.add(id(node))
     return views
+
+
+def wait_for_fused_matmuls(graph: Graph, names) -> int:
+    """Make every large backward node that follows, in the file, a backward MatMul reading a transpose onnxruntime
+    folds into it (`folded_transpose`), and does not depend on that MatMul, wait for its result (the tie of
+    `anchor_to_gradient`). onnxruntime's MatmulTransposeFusion replaces such a MatMul by a FusedMatMul numbered
+    after every node of the file, and PRIORITY_BASED then runs it only once no other node is ready: every node
+    after it that does not need it runs first, and holds its result until it does. In an attention layer's
+    backward the transposed products are the score gradients, eight hidden states each at width 64: a small
+    DistilBERT's training graph held 63.4 MiB where 54.2 were simulated. A MatMul that itself follows one is
+    tied to it, so the fused ones run in the file's order too. Returns the number of nodes so tied."""
+    order: list[Node] = []
+    fused: Value | None = None  # the output of the last such MatMul
+    after: set[int] = set()  # ids of the values that depend on it
+    zero: Value | None = None
+    tied = 0
+    for node in list(graph.nodes):
+        inputs = [v for v in node.all_inputs if v is not None]
+        reads_it = any(id(v) in after for v in inputs)
+        if fused is not None and node.phase == BACKWARD and not reads_it and _large(node):
+            i = next((i for i, v in enumerate(node.inputs) if v is not None and v.is_float
+                      and v.producer is not None and not (i == 0 and node.op_type == "Reshape")
+                      and not folded_transpose(v.producer)), None)
+            if i is not None:
+                op = Builder(graph, names, prefix=f"{node.name}/after_fused", phase=node.phase)
+                if zero is None:
+                    zero = _zero_from(op, fused)
+                node.set_input(i, _waiting(op, node.inputs[i], zero))
+                order.extend(op.emitted)
+                tied += 1
+                reads_it = True
+        order.append(node)
+        if reads_it:
+            after.update(id(o) for o in node.outputs)
+        if _fused_matmul(node):
+            fused, after, zero = node.outputs[0], {id(node.outputs[0])}, None
+    if tied:
+        graph.reorder(order)
+    return tied
+
+
+def _fused_matmul(node: Node) -> bool:
+    """A backward MatMul that onnxruntime turns into a late-numbered FusedMatMul: one reading a folded
+    Transpose."""
+    return (node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and node.phase == BACKWARD
+            and bool(node.outputs[0].name) and node.outputs[0].is_float and node.outputs[0].shape is not None
+            and any(v is not None and v.producer is not None and folded_transpose(v.producer)
+                    for v in node.inputs[:2]))
+
+
+def keep_scaled_operands(graph: Graph, names) -> int:
+    """Make every backward or recomputed MatMul that reads a value scaled by a constant scalar read it through
+    a Reshape to its own shape (+0, the ArgMax of one of its elements), so that it reads the scaled value.
+    onnxruntime's MatMulScaleFusion otherwise rewires such a MatMul to the unscaled input, moving the scale
+    into FusedMatMul's alpha, and keeps the Mul for its other readers: a recomputed attention score that reads
+    the scaled keys kept the unscaled keys alive from the forward pass to the backward, a second copy the plan
+    never held (a small DeiT's 0.7x plan measured 1.13 of its budget). Returns the number of reads so kept."""
+    constants = set(graph.initializers)
+    order: list[Node] = []
+    kept = 0
+    for node in list(graph.nodes):
+        if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and node.phase in (BACKWARD, RECOMPUTE):
+            for i, v in enumerate(node.inputs[:2]):
+                if v is not None and v.producer is not None and _scaled(v.producer, constants):
+                    op = Builder(graph, names, prefix=f"{node.name}/unscaled_{i}", phase=node.phase)
+                    node.set_input(i, _waiting(op, v, _zero_from(op, v)))
+                    order.extend(op.emitted)
+                    kept += 1
+        order.append(node)
+    if kept:
+        graph.reorder(order)
+    return kept
+
+
+def _scaled(node: Node, constants: set[str]) -> bool:
+    """A Mul by a constant scalar, or a Div by one: the scales MatMulScaleFusion moves into a MatMul."""
+    if node.domain not in ("", "ai.onnx") or len(node.inputs) != 2 or node.op_type not in ("Mul", "Div"):
+        return False
+    scales = node.inputs if node.op_type == "Mul" else node.inputs[1:]
+    return any(v is not None and (v.name in constants or (v.producer is not None and v.producer.op_type == "Constant"))
+               and v.static_shape is not None and all(d == 1 for d in v.static_shape) for v in scales)
 
 
 # Producers whose results onnxruntime's optimizers rewrite into new, late-numbered nodes when a tie reads
