@@ -21,7 +21,7 @@ from onnx import TensorProto
 from ..builder import Builder
 from ..contract import BACKWARD, FORWARD, LOSS_KEY, RECOMPUTE, RUNTIME_HINTS, SEED_TIE
 from ..ir import Graph, Node, Value
-from ..memory.simulate import ALIASES, folded_transpose, shares_buffer
+from ..memory.simulate import ALIASES, folded_transpose, fused_into_reader, shares_buffer
 from ..pipeline import Build, Pass
 from .results import ScheduleResult
 
@@ -221,26 +221,30 @@ def _views_read_after_the_gradient(graph: Graph, seeds: list[Value]) -> set[int]
 
 
 def wait_for_fused_matmuls(graph: Graph, names) -> int:
-    """Make every large backward node that follows, in the file, a backward MatMul reading a transpose onnxruntime
-    folds into it (`folded_transpose`), and does not depend on that MatMul, wait for its result (the tie of
-    `anchor_to_gradient`). onnxruntime's MatmulTransposeFusion replaces such a MatMul by a FusedMatMul numbered
-    after every node of the file, and PRIORITY_BASED then runs it only once no other node is ready: every node
-    after it that does not need it runs first, and holds its result until it does. In an attention layer's
-    backward the transposed products are the score gradients, eight hidden states each at width 64: a small
-    DistilBERT's training graph held 63.4 MiB where 54.2 were simulated. A MatMul that itself follows one is
-    tied to it, so the fused ones run in the file's order too. Returns the number of nodes so tied."""
+    """Make every large backward or recomputed node that follows, in the file, a MatMul onnxruntime fuses into a
+    new node, and does not depend on it, wait for its result (the tie of `anchor_to_gradient`). onnxruntime
+    numbers the nodes its fusions make after every node of the file, and PRIORITY_BASED then runs one only once no
+    other node is ready: every node after it that does not need it runs first, and holds its result until it
+    does. The MatMuls (`_fused_matmuls`): a backward one reading a Transpose it folds (FusedMatMul), and a
+    backward or recomputed one whose only reader adds a bias or scales it (Gemm, FusedMatMul: then the reader's
+    result is waited for). In an attention layer's backward the transposed products are the score gradients,
+    eight hidden states each at width 64: a small DistilBERT's training graph held 63.4 MiB where 54.2 were
+    simulated. A fused MatMul that itself follows one is tied to it, so they run in the file's order too.
+    Returns the number of nodes so tied."""
+    late = _fused_matmuls(graph)
     order: list[Node] = []
-    fused: Value | None = None  # the output of the last such MatMul
+    fused: Value | None = None  # the result of the last fused MatMul
     after: set[int] = set()  # ids of the values that depend on it
     zero: Value | None = None
     tied = 0
     for node in list(graph.nodes):
         inputs = [v for v in node.all_inputs if v is not None]
         reads_it = any(id(v) in after for v in inputs)
-        if fused is not None and node.phase == BACKWARD and not reads_it and _large(node):
+        if fused is not None and node.phase in (BACKWARD, RECOMPUTE) and not reads_it and _large(node):
+            # (not an operand onnxruntime folds into this node: a Transpose, a MatMul fused into it)
             i = next((i for i, v in enumerate(node.inputs) if v is not None and v.is_float
                       and v.producer is not None and not (i == 0 and node.op_type == "Reshape")
-                      and not folded_transpose(v.producer)), None)
+                      and not folded_transpose(v.producer) and late.get(id(node)) is not v.producer), None)
             if i is not None:
                 op = Builder(graph, names, prefix=f"{node.name}/after_fused", phase=node.phase)
                 if zero is None:
@@ -252,20 +256,32 @@ def wait_for_fused_matmuls(graph: Graph, names) -> int:
         order.append(node)
         if reads_it:
             after.update(id(o) for o in node.outputs)
-        if _fused_matmul(node):
+        if id(node) in late:
             fused, after, zero = node.outputs[0], {id(node.outputs[0])}, None
     if tied:
         graph.reorder(order)
     return tied
 
 
-def _fused_matmul(node: Node) -> bool:
-    """A backward MatMul that onnxruntime turns into a late-numbered FusedMatMul: one reading a folded
-    Transpose."""
-    return (node.op_type == "MatMul" and node.domain in ("", "ai.onnx") and node.phase == BACKWARD
-            and bool(node.outputs[0].name) and node.outputs[0].is_float and node.outputs[0].shape is not None
-            and any(v is not None and v.producer is not None and folded_transpose(v.producer)
-                    for v in node.inputs[:2]))
+def _fused_matmuls(graph: Graph) -> dict[int, Node]:
+    """{id(node): the MatMul fused into it} for the nodes onnxruntime replaces by a late-numbered one: a
+    backward MatMul reading a folded Transpose (FusedMatMul; the MatMul itself), the reader a backward or
+    recomputed MatMul is fused into (`fused_into_reader`: Gemm, or FusedMatMul with alpha)."""
+    outputs = {id(v) for v in graph.outputs}
+    constants = set(graph.initializers)
+    late: dict[int, Node] = {}
+    for node in graph.nodes:
+        if (node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.phase not in (BACKWARD, RECOMPUTE)
+                or not node.outputs[0].name or not node.outputs[0].is_float or node.outputs[0].shape is None):
+            continue
+        if fused_into_reader(node, outputs, constants):
+            reader = node.outputs[0].uses[0][0]
+            if reader.outputs and reader.outputs[0].name:
+                late[id(reader)] = node
+        elif node.phase == BACKWARD and any(v is not None and v.producer is not None and folded_transpose(v.producer)
+                                            for v in node.inputs[:2]):
+            late[id(node)] = node
+    return late
 
 
 def keep_scaled_operands(graph: Graph, names) -> int:
