@@ -325,55 +325,47 @@ def test_a_tied_reshape_keeps_its_place_in_onnxruntime(tmp_path):
     assert measured <= 1.05 * predicted, (measured, predicted)
 
 
-def test_an_attention_backward_waits_for_its_fused_products(tmp_path):
-    """Two single-head attention layers at width 32 over 512 tokens: a score tensor (8 MiB) is 16 hidden states.
-    The backward MatMuls that read a transposed operand become onnxruntime FusedMatMuls numbered after every
-    node of the file, which PRIORITY_BASED runs only when nothing else is ready; each large backward node after
-    one waits for its result, so onnxruntime keeps to the simulation (1.23x the simulated peak without)."""
-    nodes, inits, x = [], [], "x"
-    for i in range(2):
-        inits += [weight(f"wq{i}", 32, 32), weight(f"wk{i}", 32, 32), weight(f"wv{i}", 32, 32)]
+def attention_stack(layers: int, batch: int, tokens: int, width: int, scaled: bool = False) -> onnx.ModelProto:
+    """Single-head attention layers with residuals, then sum(y*y); with `scaled`, queries and keys are multiplied
+    by a constant before their product (as torch's scaled_dot_product_attention exports)."""
+    nodes, inits, x = [], [numpy_helper.from_array(np.array(0.4, np.float32), "c")] if scaled else [], "x"
+    for i in range(layers):
+        inits += [weight(f"w{p}{i}", width, width) for p in "qkv"]
+        q, k = (f"qs{i}", f"ks{i}") if scaled else (f"q{i}", f"kt{i}")
         nodes += [h.make_node("MatMul", [x, f"wq{i}"], [f"q{i}"], name=f"query{i}"),
                   h.make_node("MatMul", [x, f"wk{i}"], [f"k{i}"], name=f"key{i}"),
                   h.make_node("MatMul", [x, f"wv{i}"], [f"v{i}"], name=f"value{i}"),
-                  h.make_node("Transpose", [f"k{i}"], [f"kt{i}"], perm=[0, 2, 1], name=f"key_t{i}"),
-                  h.make_node("MatMul", [f"q{i}", f"kt{i}"], [f"s{i}"], name=f"scores{i}"),
+                  h.make_node("Transpose", [f"k{i}"], [f"kt{i}"], perm=[0, 2, 1], name=f"key_t{i}")]
+        if scaled:
+            nodes += [h.make_node("Mul", [f"q{i}", "c"], [q], name=f"q_scale{i}"),
+                      h.make_node("Mul", [f"kt{i}", "c"], [k], name=f"k_scale{i}")]
+        nodes += [h.make_node("MatMul", [q, k], [f"s{i}"], name=f"scores{i}"),
                   h.make_node("Softmax", [f"s{i}"], [f"p{i}"], axis=-1, name=f"softmax{i}"),
                   h.make_node("MatMul", [f"p{i}", f"v{i}"], [f"o{i}"], name=f"mix{i}"),
                   h.make_node("Add", [x, f"o{i}"], [f"y{i}"], name=f"residual{i}")]
         x = f"y{i}"
     nodes += [h.make_node("Mul", [x, x], ["yy"], name="square"),
               h.make_node("ReduceSum", ["yy"], ["loss"], keepdims=0, name="sum")]
-    train = onnxgrad.build(model_of(nodes, [("x", [8, 512, 32])], [("loss", [])], inits)).model
+    return model_of(nodes, [("x", [batch, tokens, width])], [("loss", [])], inits)
+
+
+def test_an_attention_backward_waits_for_its_fused_products(tmp_path):
+    """Two single-head attention layers at width 32 over 512 tokens: a score tensor (8 MiB) is 16 hidden states.
+    The backward MatMuls that read a transposed operand become onnxruntime FusedMatMuls numbered after every
+    node of the file, which PRIORITY_BASED runs only when nothing else is ready; each large backward node after
+    one waits for its result, so onnxruntime keeps to the simulation (1.23x the simulated peak without)."""
+    train = onnxgrad.build(attention_stack(2, 8, 512, 32)).model
     assert any("after_fused" in n.name for n in train.graph.node)
     predicted, measured = simulated_and_measured(train, tmp_path / "train.onnx")
     assert measured <= 1.05 * predicted, (measured, predicted)
 
 
 def test_a_recomputed_product_of_scaled_operands_reads_them_scaled(tmp_path):
-    """Four attention layers whose queries and keys are scaled by a constant before their product (as torch's
-    scaled_dot_product_attention exports), the scaled operands stored and the scores recomputed: the recomputed
-    MatMul reads the scaled values, so onnxruntime keeps no unscaled copy from the forward pass (read so by its
-    MatMulScaleFusion, the unscaled queries and keys stayed alive through the backward: 1.19x the simulated
-    peak)."""
-    nodes, inits, x = [], [numpy_helper.from_array(np.array(0.4, np.float32), "c")], "x"
-    for i in range(4):
-        inits += [weight(f"wq{i}", 256, 256), weight(f"wk{i}", 256, 256), weight(f"wv{i}", 256, 256)]
-        nodes += [h.make_node("MatMul", [x, f"wq{i}"], [f"q{i}"], name=f"query{i}"),
-                  h.make_node("MatMul", [x, f"wk{i}"], [f"k{i}"], name=f"key{i}"),
-                  h.make_node("MatMul", [x, f"wv{i}"], [f"v{i}"], name=f"value{i}"),
-                  h.make_node("Transpose", [f"k{i}"], [f"kt{i}"], perm=[0, 2, 1], name=f"key_t{i}"),
-                  h.make_node("Mul", [f"q{i}", "c"], [f"qs{i}"], name=f"q_scale{i}"),
-                  h.make_node("Mul", [f"kt{i}", "c"], [f"ks{i}"], name=f"k_scale{i}"),
-                  h.make_node("MatMul", [f"qs{i}", f"ks{i}"], [f"s{i}"], name=f"scores{i}"),
-                  h.make_node("Softmax", [f"s{i}"], [f"p{i}"], axis=-1, name=f"softmax{i}"),
-                  h.make_node("MatMul", [f"p{i}", f"v{i}"], [f"o{i}"], name=f"mix{i}"),
-                  h.make_node("Add", [x, f"o{i}"], [f"y{i}"], name=f"residual{i}")]
-        x = f"y{i}"
-    nodes += [h.make_node("Mul", [x, x], ["yy"], name="square"),
-              h.make_node("ReduceSum", ["yy"], ["loss"], keepdims=0, name="sum")]
-    model = model_of(nodes, [("x", [16, 64, 256])], [("loss", [])], inits)
-    result = onnxgrad.build(model, mirror="mxnet", mirror_options={
+    """Four attention layers whose queries and keys are scaled before their product, the scaled operands stored
+    and the scores recomputed: the recomputed MatMul reads the scaled values, so onnxruntime keeps no unscaled
+    copy from the forward pass (read so by its MatMulScaleFusion, the unscaled queries and keys stayed alive
+    through the backward: 1.19x the simulated peak)."""
+    result = onnxgrad.build(attention_stack(4, 16, 64, 256, scaled=True), mirror="mxnet", mirror_options={
         "recompute": [f"{op}{i}" for i in range(4) for op in ("scores", "softmax")],
         "save": [f"{op}{i}" for i in range(4) for op in ("q_scale", "k_scale", "value")]})
     assert {f"scores{i}" for i in range(4)} <= set(result.report["mirror"]["recomputed"])
