@@ -2,14 +2,14 @@
 
     .venv/bin/python bench/bench_real_budget.py [--models resnet50,gpt2,bert,vit] [--budgets 0.9x,0.7x,0.5x,0.4x,least]
         [--allocators exact,arena,glibc] [--train] [--batch-scale 1.0] [--threads 2] [--exporter torchscript|dynamo]
-        [--plan-for exact|arena] [--out DIR]
+        [--plan-for exact|arena] [--gpt2-tokens 256] [--out DIR]
 
 Each model is built from a transformers config with random weights (nothing is downloaded) and exported by
 torch.onnx's TorchScript exporter at opset 17 (`--exporter dynamo`: its dynamo exporter at opset 18, optimized),
 in its own process:
   resnet50  ResNetConfig (bottleneck 3-4-6-3, 100 classes), batch 8 x 3 x 224 x 224, training-mode
             BatchNormalization, cross-entropy inside the model
-  gpt2      GPT-2 small (12 x 768), batch 4 x 256 tokens, its LM loss
+  gpt2      GPT-2 small (12 x 768), batch 4 x 256 tokens (`--gpt2-tokens`), its LM loss
   bert      BERT-base with a 2-class head, batch 8 x 128 tokens (token types half 0, half 1)
   vit       ViT-B/16 with 100 classes, batch 4 x 3 x 224 x 224
 (`--batch-scale` multiplies the batch, for a quicker look.) Then, as a user would:
@@ -52,6 +52,7 @@ EXPORT = r"""
 import sys, warnings, torch, torch.nn.functional as F
 warnings.simplefilter("ignore")
 name, batch, out, exporter = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 256  # GPT-2's sequence length
 torch.manual_seed(0)
 train_mode = False
 if name == "resnet50":
@@ -73,7 +74,7 @@ elif name == "gpt2":
     net = GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"))
     loss = lambda input_ids, labels: net(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                          labels=labels, use_cache=False).loss
-    ids = torch.randint(0, 50257, (batch, 256))
+    ids = torch.randint(0, 50257, (batch, tokens))
     args, names = (ids, ids), ["input_ids", "labels"]
 elif name == "bert":
     from transformers import BertConfig, BertForSequenceClassification
@@ -204,6 +205,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
                     help="torch.onnx's TorchScript exporter (opset 17) or its dynamo exporter (opset 18)")
+    ap.add_argument("--gpt2-tokens", type=int, default=256, help="GPT-2's sequence length")
     ap.add_argument("--out", default=None, help="keep the models here (default: a temporary folder)")
     ap.add_argument("--plan-for", choices=("exact", "arena"), default="exact",
                     help="the allocator the plans are made for (mirror --allocator)")
@@ -226,10 +228,11 @@ def main() -> None:
     print("|" + "---|" * (header.count("|") - 1))
     for name in args.models.split(","):
         batch = max(1, round(BATCH[name] * args.batch_scale))
-        tag = f"{name}_b{batch}" + ("_dynamo" if args.exporter == "dynamo" else "")
+        tag = f"{name}_b{batch}" + ("_dynamo" if args.exporter == "dynamo" else "") + (
+            f"_t{args.gpt2_tokens}" if name == "gpt2" and args.gpt2_tokens != 256 else "")
         fwd, train = work / f"{tag}.onnx", work / f"{tag}_train.onnx"
         if not fwd.exists():
-            p = run([sys.executable, "-c", EXPORT, name, str(batch), str(fwd), args.exporter])
+            p = run([sys.executable, "-c", EXPORT, name, str(batch), str(fwd), args.exporter, str(args.gpt2_tokens)])
             if p.returncode:
                 print(f"| {name} | export failed: {p.stderr.strip().splitlines()[-1:]} |")
                 continue
