@@ -105,11 +105,11 @@ class MirrorResult:
 
 @dataclass(frozen=True)
 class ScheduleResult:
-    """The schedule pass: the backward nodes tied to the gradient, those tied to a fused MatMul before them, and
+    """The schedule pass: the backward nodes tied to the gradient, those tied to a fused node before them, and
     the MatMul reads of scaled values kept from onnxruntime's scale fusion."""
 
     anchored_nodes: int
-    after_fused_matmuls: int = 0
+    after_fused_nodes: int = 0
     scaled_reads_kept: int = 0
 
 
