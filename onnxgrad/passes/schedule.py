@@ -235,7 +235,8 @@ def wait_for_fused_nodes(graph: Graph, names) -> int:
     the file's order too. Returns the number of nodes so tied."""
     late = _fused_nodes(graph)
     order: list[Node] = []
-    fused: Value | None = None  # the result of the last fused MatMul
+    fused: Value | None = None  # the result of the last fused node
+    at = 0  # its place in `order`: the one-element ArgMax is taken just after it, and so holds nothing alive
     after: set[int] = set()  # ids of the values that depend on it
     zero: Value | None = None
     tied = 0
@@ -248,9 +249,11 @@ def wait_for_fused_nodes(graph: Graph, names) -> int:
                       and v.producer is not None and not (i == 0 and node.op_type == "Reshape")
                       and not folded_transpose(v.producer) and late.get(id(node)) is not v.producer), None)
             if i is not None:
-                op = Builder(graph, names, prefix=f"{node.name}/after_fused", phase=node.phase)
                 if zero is None:
+                    op = Builder(graph, names, prefix=f"{fused.name}/fused", phase=fused.producer.phase)
                     zero = _zero_from(op, fused)
+                    order[at:at] = op.emitted
+                op = Builder(graph, names, prefix=f"{node.name}/after_fused", phase=node.phase)
                 node.set_input(i, _waiting(op, node.inputs[i], zero))
                 order.extend(op.emitted)
                 tied += 1
@@ -259,7 +262,7 @@ def wait_for_fused_nodes(graph: Graph, names) -> int:
         if reads_it:
             after.update(id(o) for o in node.outputs)
         if id(node) in late:
-            fused, after, zero = node.outputs[0], {id(node.outputs[0])}, None
+            fused, at, after, zero = node.outputs[0], len(order), {id(node.outputs[0])}, None
     if tied:
         graph.reorder(order)
     return tied
