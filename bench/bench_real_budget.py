@@ -52,7 +52,7 @@ EXPORT = r"""
 import sys, warnings, torch, torch.nn.functional as F
 warnings.simplefilter("ignore")
 name, batch, out, exporter = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 256  # GPT-2's sequence length
+tokens = int(sys.argv[5])  # GPT-2's sequence length
 torch.manual_seed(0)
 train_mode = False
 if name == "resnet50":
@@ -110,6 +110,7 @@ else:
 EXPORT += EXPORT_LOSS
 
 BATCH = {"resnet50": 8, "gpt2": 4, "bert": 8, "vit": 4}
+GPT2_TOKENS = 256
 
 # `onnxgrad train` ARGS in a process that records, in the JSON file RECORD, its resident set before the first step
 # ("before"), its high-water mark at the end ("hwm") and each step's seconds; MEMORY_PATTERNS=on turns
@@ -205,7 +206,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript",
                     help="torch.onnx's TorchScript exporter (opset 17) or its dynamo exporter (opset 18)")
-    ap.add_argument("--gpt2-tokens", type=int, default=256, help="GPT-2's sequence length")
+    ap.add_argument("--gpt2-tokens", type=int, default=GPT2_TOKENS, help="GPT-2's sequence length")
     ap.add_argument("--out", default=None, help="keep the models here (default: a temporary folder)")
     ap.add_argument("--plan-for", choices=("exact", "arena"), default="exact",
                     help="the allocator the plans are made for (mirror --allocator)")
@@ -229,7 +230,7 @@ def main() -> None:
     for name in args.models.split(","):
         batch = max(1, round(BATCH[name] * args.batch_scale))
         tag = f"{name}_b{batch}" + ("_dynamo" if args.exporter == "dynamo" else "") + (
-            f"_t{args.gpt2_tokens}" if name == "gpt2" and args.gpt2_tokens != 256 else "")
+            f"_t{args.gpt2_tokens}" if name == "gpt2" and args.gpt2_tokens != GPT2_TOKENS else "")
         fwd, train = work / f"{tag}.onnx", work / f"{tag}_train.onnx"
         if not fwd.exists():
             p = run([sys.executable, "-c", EXPORT, name, str(batch), str(fwd), args.exporter, str(args.gpt2_tokens)])

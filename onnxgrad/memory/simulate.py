@@ -130,9 +130,15 @@ def fused_into_reader(node: Node, outputs: set[int], constants: set[str]) -> boo
     if reader.op_type == "Add":
         return other.rank == 1 and node.inputs[1] is not None and node.inputs[1].rank == 2
     if reader.op_type in ("Mul", "Div"):
-        constant = other.name in constants or (other.producer is not None and other.producer.op_type == "Constant")
-        return constant and other.static_shape is not None and all(d == 1 for d in other.static_shape)
+        return constant_scalar(other, constants)
     return False
+
+
+def constant_scalar(v: Value, constants: set[str]) -> bool:
+    """An initializer (`constants`: their names) or a Constant node's output holding one element: a scale
+    onnxruntime's MatMulScaleFusion moves into FusedMatMul's alpha."""
+    constant = v.name in constants or (v.producer is not None and v.producer.op_type == "Constant")
+    return constant and v.static_shape is not None and all(d == 1 for d in v.static_shape)
 
 
 def in_place_candidate(node: Node, outputs: set[int]) -> bool:

@@ -21,7 +21,7 @@ from onnx import TensorProto
 from ..builder import Builder
 from ..contract import BACKWARD, FORWARD, LOSS_KEY, RECOMPUTE, RUNTIME_HINTS, SEED_TIE
 from ..ir import Graph, Node, Value
-from ..memory.simulate import ALIASES, folded_transpose, fused_into_reader, shares_buffer
+from ..memory.simulate import ALIASES, constant_scalar, folded_transpose, fused_into_reader, shares_buffer
 from ..pipeline import Build, Pass
 from .results import ScheduleResult
 
@@ -331,8 +331,7 @@ def _scaled(node: Node, constants: set[str]) -> bool:
     if node.domain not in ("", "ai.onnx") or len(node.inputs) != 2 or node.op_type not in ("Mul", "Div"):
         return False
     scales = node.inputs if node.op_type == "Mul" else node.inputs[1:]
-    return any(v is not None and (v.name in constants or (v.producer is not None and v.producer.op_type == "Constant"))
-               and v.static_shape is not None and all(d == 1 for d in v.static_shape) for v in scales)
+    return any(v is not None and constant_scalar(v, constants) for v in scales)
 
 
 # Producers whose results onnxruntime's optimizers rewrite into new, late-numbered nodes when a tie reads
